@@ -1,0 +1,63 @@
+"""Shared helpers for the tests: run a command with a hard timeout, and tiny MNIST files."""
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "train.py"
+
+
+def run(cmd, timeout=120, **kwargs):
+    """Run cmd in its own process group; on timeout kill the whole group and fail the test,
+    so a hang (torchrun and all of its workers) never outlives the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {cmd}\n{out}\n{err}")
+    finally:
+        try:  # leave no stray worker behind, even when the launcher exited first
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(nproc, *args, script=TRAIN, **kwargs):
+    """train.py (or `script`) under torchrun --standalone, which picks a free port itself."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}", script, *args], **kwargs)
+
+
+def write_idx(path, tensor):
+    """Write a uint8 tensor in MNIST's idx format (magic 0x08, then the dimensions)."""
+    header = struct.pack(">HBB", 0, 0x08, tensor.dim())
+    header += b"".join(struct.pack(">I", d) for d in tensor.shape)
+    path.write_bytes(header + tensor.numpy().tobytes())
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    """A tiny MNIST in torchvision's layout: 512 training and 101 (odd) test images."""
+    sys.path.insert(0, str(REPO))
+    from train import synthetic_mnist
+    root = tmp_path_factory.mktemp("data")
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    train_x, train_y = synthetic_mnist(512, seed=1)
+    test_x, test_y = synthetic_mnist(101, seed=2)
+    write_idx(raw / "train-images-idx3-ubyte", train_x)
+    write_idx(raw / "train-labels-idx1-ubyte", train_y.to(torch.uint8))
+    write_idx(raw / "t10k-images-idx3-ubyte", test_x)
+    write_idx(raw / "t10k-labels-idx1-ubyte", test_y.to(torch.uint8))
+    return root

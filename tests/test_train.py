@@ -1,0 +1,151 @@
+"""train.py on CPU with gloo: one process, and two or three under torchrun."""
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TRAIN, run, torchrun
+
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402
+
+TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def assert_same_tensors(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different}"
+
+
+def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path):
+    result = torchrun(2, tmp_path, *TINY, "--data", mnist_dir, "--epochs", "2",
+                      "--metrics", tmp_path / "m.jsonl", script=REPO / "tests" / "save_every_rank.py")
+    assert_ok(result)
+    assert_same_tensors(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))
+    rows = metrics(tmp_path / "m.jsonl")  # only rank 0 writes
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["world_size"] == 2 and not row["partial"]
+        # 101 test images on 2 ranks: counted once each, no padding duplicates.
+        assert row["test_samples"] == 101
+        assert round(row["test_accuracy"] * 101, 6) == round(row["test_accuracy"] * 101)
+        assert row["samples_per_sec"] > 0
+    assert result.stdout.count("start: world_size=2") == 1  # rank 0 alone prints
+
+
+@pytest.mark.parametrize("num_samples", [512, 101])
+def test_shards_are_disjoint_cover_the_data_and_reshuffle(num_samples):
+    world = 2
+    epoch0 = [train.epoch_order(num_samples, 0, r, world, seed=0).tolist() for r in range(world)]
+    epoch1 = [train.epoch_order(num_samples, 1, r, world, seed=0).tolist() for r in range(world)]
+    assert len(epoch0[0]) == len(epoch0[1])  # equal steps on every rank, or DDP would hang
+    assert set(epoch0[0]) | set(epoch0[1]) == set(range(num_samples))
+    overlap = set(epoch0[0]) & set(epoch0[1])
+    assert len(overlap) == (-num_samples) % world  # only DistributedSampler's padding repeats
+    assert epoch0 != epoch1
+    assert epoch0 == [train.epoch_order(num_samples, 0, r, world, seed=0).tolist()
+                      for r in range(world)]
+
+
+def test_synthetic_data_is_learnable(tmp_path):
+    result = run([sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic",
+                  "--max-steps", "60", "--metrics", tmp_path / "m.jsonl"])
+    assert_ok(result)
+    (row,) = metrics(tmp_path / "m.jsonl")
+    assert row["partial"] and row["step"] == 60 and row["test_samples"] == 10_000
+    assert row["test_accuracy"] > 0.5  # chance is 0.1
+
+
+def test_fp16_steps_through_the_scaler_and_bf16_runs(mnist_dir, tmp_path):
+    for amp in ("fp16", "bf16"):
+        result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--amp", amp,
+                      "--max-steps", "3", "--checkpoint-dir", tmp_path / amp])
+        assert_ok(result)
+    fp16, bf16 = load(tmp_path / "fp16" / "last.pt"), load(tmp_path / "bf16" / "last.pt")
+    # update() ran once per step without overflow, and step() moved the weights.
+    assert fp16["scaler"]["_growth_tracker"] == 3 and fp16["scaler"]["scale"] == 2.0 ** 16
+    assert fp16["optimizer"]["state"], "the optimizer never stepped"
+    assert bf16["scaler"] == {}  # bf16 needs no scaler
+    assert all(torch.isfinite(t).all() for t in bf16["model"].values())
+
+
+def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
+    # Three ranks, because two sum every element in the same order whatever DDP's
+    # bucket layout; accumulation to cover no_sync. 512/3 -> 171 -> 6 steps per epoch.
+    args = [*TINY, "--data", mnist_dir, "--accum-steps", "2", "--epochs", "2"]
+    assert_ok(torchrun(3, *args, "--checkpoint-dir", tmp_path / "whole"))
+    stopped = torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed", "--max-steps", "4",
+                       "--metrics", tmp_path / "m.jsonl")
+    assert_ok(stopped)
+    assert metrics(tmp_path / "m.jsonl")[-1]["partial"]
+    assert load(tmp_path / "resumed" / "last.pt")["step"] == 4
+    resumed = torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed")
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout
+    whole, again = load(tmp_path / "whole" / "last.pt"), load(tmp_path / "resumed" / "last.pt")
+    assert whole["step"] == again["step"] == 12
+    assert_same_tensors(whole["model"], again["model"])
+    for a, b in zip(whole["optimizer"]["state"].values(), again["optimizer"]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
+    ckpt_dir = tmp_path / "ck"
+    args = [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic",
+            "--checkpoint-dir", ckpt_dir]
+    assert_ok(run([*args, "--max-steps", "2"]))
+    good = (ckpt_dir / "last.pt").read_bytes()
+    (ckpt_dir / "last.pt").write_bytes(good[: len(good) // 2])  # truncated mid-write
+    result = run([*args, "--max-steps", "4"])
+    assert result.returncode == 1
+    assert str(ckpt_dir / "last.pt") in result.stderr and "Traceback" not in result.stderr
+    assert (ckpt_dir / "last.pt").read_bytes() == good[: len(good) // 2]  # left for the user
+    (ckpt_dir / "last.pt").write_bytes(good)
+    result = run([*args, "--max-steps", "4", "--seed", "7"])
+    assert result.returncode == 1 and "--seed 0 (now 7)" in result.stderr
+
+
+def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
+    result = torchrun(2, "--arch", "cnn", "--dataset", "mnist", "--data", tmp_path / "none",
+                      "--no-download", timeout=60)
+    assert result.returncode != 0
+    assert "--dataset synthetic" in result.stderr
+    assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
+
+
+@pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"]])
+def test_bad_arguments_give_one_line_and_exit_2(bad):
+    result = run([sys.executable, TRAIN, *bad], timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "error" in result.stderr
+
+
+def test_help_explains_every_flag():
+    result = run([sys.executable, TRAIN, "--help"], timeout=60)
+    assert_ok(result)
+    for flag in ("--dataset", "--arch", "--amp", "--checkpoint-dir", "--max-steps", "--accum-steps"):
+        assert flag in result.stdout
+
+
+def test_runs_when_copied_alone_into_an_empty_directory(tmp_path, mnist_dir):
+    shutil.copy(TRAIN, tmp_path / "train.py")
+    shutil.copytree(mnist_dir, tmp_path / "data")  # the default --data is ./data
+    result = run([sys.executable, "train.py", "--arch", "cnn", "--no-download",
+                  "--max-steps", "2", "--checkpoint-dir", "ck"], cwd=tmp_path)
+    assert_ok(result)
+    assert (tmp_path / "ck" / "last.pt").exists()

@@ -1,0 +1,536 @@
+"""Train an MNIST classifier with DistributedDataParallel, on one process or many.
+
+    python train.py --arch cnn --dataset synthetic --epochs 2          # one process
+    torchrun --standalone --nproc_per_node=2 train.py --arch cnn       # one machine
+    ./launch.sh hosts.txt 4                                            # many machines
+
+The same code path serves all three: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE,
+and without them this is a world of one. It is the usual torchrun + DDP tutorial
+pattern with its bugs fixed; each fix is marked "Fix:" where it happens.
+
+The whole data set lives on the device as one uint8 tensor and is batched by
+indexing, so there is no DataLoader and no worker process. A run whose
+--checkpoint-dir holds last.pt resumes from it, and the resumed run ends bitwise
+equal to one that was never stopped (CPU, gloo, same world size).
+"""
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Fix: the pattern normalised with (0.5, 0.5).
+MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+EVAL_BATCH_SIZE = 1024
+# Arguments that fix the training trajectory: a checkpoint only resumes a run that agrees on them.
+TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp"]
+
+
+class UsageError(Exception):
+    """A problem the user can fix; main() prints it as one line instead of a traceback."""
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv=None):
+    p = OneLineErrorParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
+                   help="mnist: torchvision's MNIST files under --data; synthetic: a generated, "
+                        "learnable set of the same shape that needs no download")
+    p.add_argument("--data", default="./data", help="directory that holds (or receives) MNIST")
+    p.add_argument("--no-download", action="store_true",
+                   help="never download MNIST; fail with a message if the files are missing")
+    p.add_argument("--arch", choices=["resnet18", "cnn"], default="resnet18",
+                   help="resnet18: torchvision's, 1-channel stem; cnn: small and fast, for CPUs")
+    p.add_argument("--epochs", type=positive_int, default=2,
+                   help="total epochs of the run, counted from its start, not from a resume")
+    p.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop (evaluate, save) after this many optimizer steps in total")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="samples per process per micro-step; the global batch is "
+                        "batch-size x world size x accum-steps")
+    p.add_argument("--accum-steps", type=positive_int, default=1,
+                   help="micro-steps per optimizer step (gradient accumulation)")
+    p.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data order")
+    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
+                   help="mixed precision; fp16 uses a gradient scaler, bf16 needs none")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="process group backend; auto is nccl on CUDA, gloo on CPU")
+    p.add_argument("--timeout", type=positive_int, default=300,
+                   help="seconds a collective may wait for a peer before the job fails")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save DIR/last.pt there, and resume from it when it exists")
+    p.add_argument("--save-every", type=positive_int, default=None,
+                   help="also save every N optimizer steps")
+    p.add_argument("--log-every", type=positive_int, default=None,
+                   help="print a progress line every N optimizer steps, not only per epoch")
+    p.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def setup_distributed(args):
+    """Return (rank, local_rank, world_size, device); init the process group under torchrun."""
+    # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
+    # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
+        # Fix: the pattern never called set_device, so NCCL put every process's
+        # buffers on GPU 0. It must come before init_process_group.
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
+        device = torch.device("cpu")
+    if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
+        # A bounded timeout: a dead peer ends the job instead of hanging it.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    return rank, local_rank, world_size, device
+
+
+def distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(tensor):
+    if distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def broadcast_from_rank0(obj):
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_rank0(obj):
+    """Every rank's obj as a list on rank 0, and None elsewhere."""
+    if not distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def stop_together(local_error):
+    """Raise on every rank if any rank hit a UsageError, so no rank is left waiting."""
+    nccl = distributed() and dist.get_backend() == "nccl"
+    flag = torch.tensor([float(local_error is not None)], device="cuda" if nccl else "cpu")
+    failed = all_reduce_sum(flag).item()
+    if local_error is not None:
+        raise local_error
+    if failed:
+        raise SystemExit(1)  # the failing rank printed why
+
+
+# ----------------------------------------------------------------------------- data
+
+def synthetic_mnist(num_samples, seed):
+    """uint8 images of MNIST's shape: each class is a fixed random pattern of pixels, drawn
+    at a random brightness under strong noise, so accuracy climbs well above chance."""
+    patterns = (torch.rand(10, 28, 28, generator=torch.Generator().manual_seed(0)) > 0.85)
+    patterns = patterns.to(torch.uint8)  # the same for every split; only the samples differ
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (num_samples,), generator=g)
+    brightness = torch.randint(64, 128, (num_samples, 1, 1), generator=g, dtype=torch.uint8)
+    noise = torch.randint(0, 128, (num_samples, 28, 28), generator=g, dtype=torch.uint8)
+    return noise + patterns[labels] * brightness, labels  # at most 127 + 127: no overflow
+
+
+def load_mnist(root, download, rank, local_rank):
+    """MNIST as uint8 tensors; rank 0 downloads while the others wait."""
+    import torchvision  # imported here so the synthetic path runs without it
+
+    def present():
+        return all(os.path.exists(os.path.join(root, "MNIST", "raw", f)) for f in MNIST_FILES)
+
+    error = None
+    # Fix: every rank downloaded at once and raced on the same files. Global rank 0
+    # downloads first; then, for nodes that share no filesystem with it, each node's
+    # local rank 0. Everyone else waits at the barrier.
+    for is_downloader in (rank == 0, local_rank == 0):
+        if is_downloader and download and not present() and error is None:
+            try:
+                for train in (True, False):
+                    torchvision.datasets.MNIST(root, train=train, download=True)
+            except Exception as e:  # offline, a mirror down, a full disk ...
+                error = f"download failed ({type(e).__name__}: {e})"
+        if distributed():
+            dist.barrier()
+    if not present() and error is None:
+        error = "the files are missing and --no-download is set" if not download else "not found"
+    if error is None:
+        try:
+            train = torchvision.datasets.MNIST(root, train=True, download=False)
+            test = torchvision.datasets.MNIST(root, train=False, download=False)
+        except Exception as e:
+            error = f"cannot read them ({type(e).__name__}: {e})"
+    local_error = None
+    if error is not None:
+        local_error = UsageError(
+            f"MNIST unavailable on {socket.gethostname()}: {error}. Put {', '.join(MNIST_FILES)} "
+            f"in {os.path.join(os.path.abspath(root), 'MNIST', 'raw')}, or use --dataset synthetic")
+    stop_together(local_error)
+    return train.data, train.targets, test.data, test.targets
+
+
+def build_data(args, rank, local_rank, device):
+    """(train_x, train_y, test_x, test_y) on the device; images stay uint8 (N, 28, 28)."""
+    if args.dataset == "synthetic":
+        # The same fixed seed on every rank, so all ranks hold the same data set.
+        train_x, train_y = synthetic_mnist(60_000, seed=1)
+        test_x, test_y = synthetic_mnist(10_000, seed=2)
+    else:
+        train_x, train_y, test_x, test_y = load_mnist(args.data, not args.no_download,
+                                                       rank, local_rank)
+    # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
+    # workers per rank. One tensor on the device, indexed per batch, is many times faster.
+    return tuple(t.to(device) for t in (train_x, train_y, test_x, test_y))
+
+
+def normalize(images):
+    """uint8 (B, 28, 28) -> float (B, 1, 28, 28) with MNIST's mean and std."""
+    return ((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
+
+
+def epoch_order(num_samples, epoch, rank, world_size, seed):
+    """This rank's sample indices for one epoch: DistributedSampler's shards exactly."""
+    sampler = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=seed)
+    # Fix: without set_epoch every epoch repeats the same order.
+    sampler.set_epoch(epoch)
+    return torch.tensor(list(sampler))
+
+
+# ----------------------------------------------------------------------------- model
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def build_model(arch):
+    if arch == "cnn":
+        return SmallCNN()
+    import torchvision
+    # Fix: resnet18(pretrained=False) is deprecated and has a 3-channel stem, which
+    # crashed on MNIST's 1-channel images. weights=None, a 1-channel stem, 10 classes.
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    model.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
+
+
+def wrap_ddp(model, device):
+    if not distributed():
+        return model
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True)
+    if dist.get_backend() == "gloo":
+        # DDP re-buckets gradients after the first step of a process. A resumed process
+        # would take that step with the first layout, where gloo's ring all-reduce sums
+        # some elements in another order (from 3 ranks up), and drift from a run that was
+        # never stopped. Fixing the final layout now makes every step of every run alike.
+        # On nccl we keep DDP's layout, which overlaps communication better: nccl picks
+        # its algorithm by size and topology, so GPU runs are not bitwise repeatable anyway.
+        ddp.reducer._push_all_rebuilt_params()
+        ddp.reducer._rebuild_buckets()
+    return ddp
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def rng_state(device):
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
+    """Global rank 0 writes `path` atomically; every rank must call this (RNG states are gathered)."""
+    rng_states = gather_to_rank0(rng_state(device))
+    if rank != 0:
+        return
+    state = {
+        "model": model.state_dict(),  # the unwrapped model: no "module." or "_orig_mod." prefixes
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": epoch,  # the epoch in progress; its first `step - epoch*steps_per_epoch` steps are done
+        "step": step,  # optimizer steps done in total
+        "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
+        "args": vars(args),
+        "world_size": len(rng_states),
+    }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a crash mid-save leaves the previous last.pt intact
+
+
+def load_checkpoint(path, args, rank, world_size):
+    """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
+    shared filesystem have no last.pt of their own and must still resume with rank 0."""
+    checkpoint, error = None, None
+    if rank == 0 and os.path.exists(path):
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+                raise ValueError("not a train.py checkpoint")
+        except Exception as e:  # truncated, corrupt, or not ours: never start over silently
+            error = (f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+                     "move it away to start over, or restore a good copy")
+            checkpoint = None
+    if checkpoint is not None:
+        mismatched = [f"--{k.replace('_', '-')} {checkpoint['args'][k]} (now {getattr(args, k)})"
+                      for k in TRAJECTORY_ARGS if checkpoint["args"][k] != getattr(args, k)]
+        if checkpoint["world_size"] != world_size:
+            mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
+        if mismatched:
+            error = (f"checkpoint {path} was written by a run with {', '.join(mismatched)}; "
+                     "exact resume needs the same settings: use them, or another --checkpoint-dir")
+    stop_together(UsageError(error) if error else None)
+    return broadcast_from_rank0(checkpoint)
+
+
+# ----------------------------------------------------------------------------- train / eval
+
+def autocast(args, device):
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def train_steps(ddp_model, optimizer, scaler, data, order, first_step, num_steps, args, device):
+    """Run optimizer steps first_step .. first_step+num_steps-1 of this epoch's `order`.
+
+    Returns the sum of per-sample losses and the number of samples seen, as tensors, so
+    the hot loop never waits for the device.
+    """
+    train_x, train_y = data
+    micro = args.batch_size
+    loss_sum = torch.zeros((), device=device)
+    samples = 0
+    for step in range(first_step, first_step + num_steps):
+        start = step * args.accum_steps * micro
+        micro_batches = [order[i:i + micro]
+                         for i in range(start, min(start + args.accum_steps * micro, len(order)), micro)]
+        for j, idx in enumerate(micro_batches):
+            x, y = normalize(train_x[idx]), train_y[idx]
+            # Only the last micro-step all-reduces; the others accumulate locally.
+            last = j == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not distributed() else ddp_model.no_sync()
+            with sync:
+                with autocast(args, device):
+                    loss = F.cross_entropy(ddp_model(x), y)
+                # Fix: the pattern built a GradScaler and never used it. scale -> backward ->
+                # step -> update; with fp32 or bf16 the scaler is disabled and passes through.
+                scaler.scale(loss / len(micro_batches)).backward()
+            loss_sum += loss.detach().float() * len(idx)
+            samples += len(idx)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, samples
+
+
+@torch.no_grad()
+def evaluate(model, test_x, test_y, args, device, rank, world_size):
+    """Exact accuracy over the whole test set: each rank takes every world_size-th sample
+    (no padding, so no sample counts twice) and the counts are summed across ranks."""
+    # The unwrapped model: DDP's forward would sync buffers, and ranks may run
+    # different numbers of eval batches.
+    model.eval()
+    mine = torch.arange(rank, len(test_x), world_size, device=device)
+    totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    for i in range(0, len(mine), EVAL_BATCH_SIZE):
+        idx = mine[i:i + EVAL_BATCH_SIZE]
+        with autocast(args, device):
+            logits = model(normalize(test_x[idx]))
+        y = test_y[idx]
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(idx)
+    model.train()
+    loss_sum, correct, count = all_reduce_sum(totals).tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+
+
+# ----------------------------------------------------------------------------- main
+
+def train(args, rank, local_rank, world_size, device):
+    # Fix: the pattern seeded nothing. Seeding the rank in keeps dropout masks and the
+    # like independent across ranks; DDP copies rank 0's initial weights to all ranks.
+    torch.manual_seed(args.seed + rank)
+    if device.type == "cpu":
+        # Tiny gradients turn denormal on CPUs and slow every step several-fold.
+        torch.set_flush_denormal(True)
+    train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
+
+    model = build_model(args.arch).to(device)
+    # Fix: the pattern's torch.cuda.amp.GradScaler is deprecated and was never used.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    shard_len = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))
+    steps_per_epoch = -(-shard_len // (args.batch_size * args.accum_steps))
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+
+    step = 0
+    ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
+    if ckpt_path:
+        checkpoint = load_checkpoint(ckpt_path, args, rank, world_size)
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scaler.load_state_dict(checkpoint["scaler"])
+            set_rng_state(checkpoint["rng"][rank], device)
+            step = checkpoint["step"]
+            if rank == 0:
+                print(f"resumed from {ckpt_path} at epoch {checkpoint['epoch']} step {step}",
+                      flush=True)
+
+    ddp_model = wrap_ddp(model, device)
+    if args.compile:
+        ddp_model = torch.compile(ddp_model)
+
+    if rank == 0:
+        print(f"start: world_size={world_size} backend={dist.get_backend() if distributed() else 'none'} "
+              f"device={device.type} arch={args.arch} dataset={args.dataset} amp={args.amp} "
+              f"global_batch={args.batch_size * world_size * args.accum_steps} "
+              f"steps_per_epoch={steps_per_epoch} total_steps={total_steps}", flush=True)
+
+    def save(epoch):
+        if ckpt_path:
+            save_checkpoint(ckpt_path, model, optimizer, scaler, epoch, step, args, device, rank)
+
+    run_start = time.perf_counter()
+    run_start_step = step
+    while step < total_steps:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        order = epoch_order(len(train_x), epoch, rank, world_size, args.seed).to(device)
+        epoch_end = min((epoch + 1) * steps_per_epoch, total_steps)
+        # Train in chunks between the points where we log or save, so the step loop stays plain.
+        marks = {epoch_end}
+        for every in (args.save_every, args.log_every):
+            if every:
+                marks.update(range((step // every + 1) * every, epoch_end, every))
+        loss_sum = torch.zeros((), device=device)
+        samples = 0
+        train_time = 0.0
+        for mark in sorted(marks):
+            t0 = time.perf_counter()
+            chunk_loss, chunk_samples = train_steps(
+                ddp_model, optimizer, scaler, (train_x, train_y), order,
+                step - epoch * steps_per_epoch, mark - step, args, device)
+            totals = all_reduce_sum(torch.stack([chunk_loss.double(),
+                                                 torch.tensor(chunk_samples, device=device).double()]))
+            train_time += time.perf_counter() - t0  # the all-reduce waits for the device
+            loss_sum, samples = loss_sum + totals[0], samples + int(totals[1])
+            step = mark
+            if args.save_every and step % args.save_every == 0 and step != epoch_end:
+                save(epoch)
+            if args.log_every and step % args.log_every == 0 and step != epoch_end and rank == 0:
+                rate = (step - run_start_step) / (time.perf_counter() - run_start)
+                print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total_steps} "
+                      f"loss {loss_sum.item() / samples:.4f} "
+                      f"eta {format_seconds((total_steps - step) / rate)}", flush=True)
+        partial = step % steps_per_epoch != 0
+        test_loss, test_acc, test_count = evaluate(model, test_x, test_y, args, device,
+                                                    rank, world_size)
+        save(epoch + 1 if not partial else epoch)
+        if rank == 0:
+            row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
+                   "train_loss": loss_sum.item() / samples, "test_loss": test_loss,
+                   "test_accuracy": test_acc, "test_samples": test_count,
+                   "samples_per_sec": samples / train_time, "partial": partial}
+            rate = (step - run_start_step) / (time.perf_counter() - run_start)
+            print(f"epoch {epoch + 1}/{args.epochs}{' (partial)' if partial else ''} step {step} "
+                  f"train_loss {row['train_loss']:.4f} test_loss {test_loss:.4f} "
+                  f"test_acc {100 * test_acc:.2f}% {row['samples_per_sec']:.0f} samples/s "
+                  f"eta {format_seconds((total_steps - step) / rate)}", flush=True)
+            if args.metrics:
+                with open(args.metrics, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    return model
+
+
+def format_seconds(seconds):
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def main(argv=None):
+    """Train and return the (unwrapped) model, for scripts that import train.py."""
+    args = parse_args(argv)
+    try:
+        rank, local_rank, world_size, device = setup_distributed(args)
+        return train(args, rank, local_rank, world_size, device)
+    except UsageError as e:
+        sys.exit(f"train.py: error: {e}")
+    finally:
+        # Fix: the pattern never destroyed its process group.
+        if distributed():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
