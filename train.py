@@ -73,6 +73,7 @@ def parse_args(argv=None):
                    help="never download MNIST; fail with a message if the files are missing")
     p.add_argument("--arch", choices=["resnet18", "cnn"], default="resnet18",
                    help="resnet18: torchvision's, 1-channel stem; cnn: small and fast, for CPUs")
+    # Fix: the pattern looped over an undefined `epochs`.
     p.add_argument("--epochs", type=positive_int, default=2,
                    help="total epochs of the run, counted from its start, not from a resume")
     p.add_argument("--max-steps", type=positive_int, default=None,
@@ -195,8 +196,8 @@ def load_mnist(root, download, rank, local_rank):
     for is_downloader in (rank == 0, local_rank == 0):
         if is_downloader and download and not present() and error is None:
             try:
-                for train in (True, False):
-                    torchvision.datasets.MNIST(root, train=train, download=True)
+                for split_is_train in (True, False):
+                    torchvision.datasets.MNIST(root, train=split_is_train, download=True)
             except Exception as e:  # offline, a mirror down, a full disk ...
                 error = f"download failed ({type(e).__name__}: {e})"
         if distributed():
@@ -210,7 +211,7 @@ def load_mnist(root, download, rank, local_rank):
         except Exception as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
     local_error = None
-    if error is not None:
+    if error is not None and local_rank == 0:  # one message per node, not one per process
         local_error = UsageError(
             f"MNIST unavailable on {socket.gethostname()}: {error}. Put {', '.join(MNIST_FILES)} "
             f"in {os.path.join(os.path.abspath(root), 'MNIST', 'raw')}, or use --dataset synthetic")
@@ -304,6 +305,7 @@ def set_rng_state(state, device):
 
 def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
     """Global rank 0 writes `path` atomically; every rank must call this (RNG states are gathered)."""
+    # Fix: the pattern saved nothing, so a crash lost the whole run.
     rng_states = gather_to_rank0(rng_state(device))
     if rank != 0:
         return
@@ -311,7 +313,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, r
         "model": model.state_dict(),  # the unwrapped model: no "module." or "_orig_mod." prefixes
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
-        "epoch": epoch,  # the epoch in progress; its first `step - epoch*steps_per_epoch` steps are done
+        "epoch": epoch,  # the epoch in progress (for people; resume goes by step)
         "step": step,  # optimizer steps done in total
         "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
         "args": vars(args),
@@ -358,43 +360,43 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def train_steps(ddp_model, optimizer, scaler, data, order, first_step, num_steps, args, device):
-    """Run optimizer steps first_step .. first_step+num_steps-1 of this epoch's `order`.
-
-    Returns the sum of per-sample losses and the number of samples seen, as tensors, so
-    the hot loop never waits for the device.
-    """
-    train_x, train_y = data
-    micro = args.batch_size
-    loss_sum = torch.zeros((), device=device)
-    samples = 0
-    for step in range(first_step, first_step + num_steps):
-        start = step * args.accum_steps * micro
-        micro_batches = [order[i:i + micro]
-                         for i in range(start, min(start + args.accum_steps * micro, len(order)), micro)]
-        for j, idx in enumerate(micro_batches):
+def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args, device,
+                    after_step):
+    """One optimizer step per `accum_steps` micro-batches of `order`, this rank's sample
+    indices for what is left of the epoch. after_step(n, loss) runs after the n-th step,
+    outside the timed part. Returns (mean loss of all ranks, samples of all ranks, seconds)."""
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    samples, paused = 0, 0.0
+    start = time.perf_counter()
+    for n, step_indices in enumerate(order.split(args.batch_size * args.accum_steps), start=1):
+        micro_batches = step_indices.split(args.batch_size)
+        for i, idx in enumerate(micro_batches):
             x, y = normalize(train_x[idx]), train_y[idx]
-            # Only the last micro-step all-reduces; the others accumulate locally.
-            last = j == len(micro_batches) - 1
+            # Only the last micro-batch all-reduces; the others accumulate locally.
+            last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not distributed() else ddp_model.no_sync()
             with sync:
                 with autocast(args, device):
                     loss = F.cross_entropy(ddp_model(x), y)
-                # Fix: the pattern built a GradScaler and never used it. scale -> backward ->
-                # step -> update; with fp32 or bf16 the scaler is disabled and passes through.
                 scaler.scale(loss / len(micro_batches)).backward()
-            loss_sum += loss.detach().float() * len(idx)
+            loss_sum += loss.detach() * len(idx)  # no .item(): the loop never waits for the GPU
             samples += len(idx)
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    return loss_sum, samples
+        pause = time.perf_counter()
+        after_step(n, loss_sum / samples)
+        paused += time.perf_counter() - pause
+    totals = all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
+    seconds = time.perf_counter() - start - paused  # after the all-reduce, which waits for the device
+    return (totals[0] / totals[1]).item(), int(totals[1]), seconds
 
 
 @torch.no_grad()
 def evaluate(model, test_x, test_y, args, device, rank, world_size):
     """Exact accuracy over the whole test set: each rank takes every world_size-th sample
     (no padding, so no sample counts twice) and the counts are summed across ranks."""
+    # Fix: the pattern never evaluated, so nothing said whether training worked.
     # The unwrapped model: DDP's forward would sync buffers, and ranks may run
     # different numbers of eval batches.
     model.eval()
@@ -416,8 +418,8 @@ def evaluate(model, test_x, test_y, args, device, rank, world_size):
 # ----------------------------------------------------------------------------- main
 
 def train(args, rank, local_rank, world_size, device):
-    # Fix: the pattern seeded nothing. Seeding the rank in keeps dropout masks and the
-    # like independent across ranks; DDP copies rank 0's initial weights to all ranks.
+    # Fix: the pattern seeded nothing. Adding the rank keeps dropout masks and the like
+    # independent across ranks; DDP copies rank 0's initial weights to every rank.
     torch.manual_seed(args.seed + rank)
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
@@ -425,89 +427,80 @@ def train(args, rank, local_rank, world_size, device):
     train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
 
     model = build_model(args.arch).to(device)
-    # Fix: the pattern's torch.cuda.amp.GradScaler is deprecated and was never used.
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # Fix: the pattern built the deprecated torch.cuda.amp.GradScaler and never used it,
+    # so it trained in plain fp32. fp16 needs the scaler; bf16 and fp32 pass through it.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    shard_len = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))
-    steps_per_epoch = -(-shard_len // (args.batch_size * args.accum_steps))
+    per_step = args.batch_size * args.accum_steps  # samples per rank per optimizer step
+    steps_per_epoch = -(-len(epoch_order(len(train_x), 0, rank, world_size, args.seed)) // per_step)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
 
     step = 0
     ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
-    if ckpt_path:
-        checkpoint = load_checkpoint(ckpt_path, args, rank, world_size)
-        if checkpoint is not None:
-            model.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            scaler.load_state_dict(checkpoint["scaler"])
-            set_rng_state(checkpoint["rng"][rank], device)
-            step = checkpoint["step"]
-            if rank == 0:
-                print(f"resumed from {ckpt_path} at epoch {checkpoint['epoch']} step {step}",
-                      flush=True)
+    checkpoint = load_checkpoint(ckpt_path, args, rank, world_size) if ckpt_path else None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        set_rng_state(checkpoint["rng"][rank], device)
+        step = checkpoint["step"]
+        if rank == 0:
+            print(f"resumed from {ckpt_path} at step {step}", flush=True)
 
     ddp_model = wrap_ddp(model, device)
     if args.compile:
         ddp_model = torch.compile(ddp_model)
 
-    if rank == 0:
-        print(f"start: world_size={world_size} backend={dist.get_backend() if distributed() else 'none'} "
-              f"device={device.type} arch={args.arch} dataset={args.dataset} amp={args.amp} "
-              f"global_batch={args.batch_size * world_size * args.accum_steps} "
-              f"steps_per_epoch={steps_per_epoch} total_steps={total_steps}", flush=True)
-
-    def save(epoch):
+    def save(step):  # every rank calls it: RNG states are gathered from all
         if ckpt_path:
-            save_checkpoint(ckpt_path, model, optimizer, scaler, epoch, step, args, device, rank)
+            save_checkpoint(ckpt_path, model, optimizer, scaler, step // steps_per_epoch, step,
+                            args, device, rank)
 
-    run_start = time.perf_counter()
-    run_start_step = step
+    run_start, run_start_step = time.perf_counter(), step
+
+    def eta(step):
+        seconds_per_step = (time.perf_counter() - run_start) / max(step - run_start_step, 1)
+        return format_seconds((total_steps - step) * seconds_per_step)
+
+    if rank == 0:
+        print(f"start: world_size={world_size} "
+              f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
+              f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
+              f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}",
+              flush=True)
     while step < total_steps:
-        epoch, done_in_epoch = divmod(step, steps_per_epoch)
-        order = epoch_order(len(train_x), epoch, rank, world_size, args.seed).to(device)
-        epoch_end = min((epoch + 1) * steps_per_epoch, total_steps)
-        # Train in chunks between the points where we log or save, so the step loop stays plain.
-        marks = {epoch_end}
-        for every in (args.save_every, args.log_every):
-            if every:
-                marks.update(range((step // every + 1) * every, epoch_end, every))
-        loss_sum = torch.zeros((), device=device)
-        samples = 0
-        train_time = 0.0
-        for mark in sorted(marks):
-            t0 = time.perf_counter()
-            chunk_loss, chunk_samples = train_steps(
-                ddp_model, optimizer, scaler, (train_x, train_y), order,
-                step - epoch * steps_per_epoch, mark - step, args, device)
-            totals = all_reduce_sum(torch.stack([chunk_loss.double(),
-                                                 torch.tensor(chunk_samples, device=device).double()]))
-            train_time += time.perf_counter() - t0  # the all-reduce waits for the device
-            loss_sum, samples = loss_sum + totals[0], samples + int(totals[1])
-            step = mark
-            if args.save_every and step % args.save_every == 0 and step != epoch_end:
-                save(epoch)
-            if args.log_every and step % args.log_every == 0 and step != epoch_end and rank == 0:
-                rate = (step - run_start_step) / (time.perf_counter() - run_start)
-                print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total_steps} "
-                      f"loss {loss_sum.item() / samples:.4f} "
-                      f"eta {format_seconds((total_steps - step) / rate)}", flush=True)
-        partial = step % steps_per_epoch != 0
-        test_loss, test_acc, test_count = evaluate(model, test_x, test_y, args, device,
-                                                    rank, world_size)
-        save(epoch + 1 if not partial else epoch)
+        epoch, done = divmod(step, steps_per_epoch)
+        stop = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
+        order = epoch_order(len(train_x), epoch, rank, world_size, args.seed)
+        order = order[done * per_step:stop * per_step].to(device)
+        end = epoch * steps_per_epoch + stop
+
+        def after_step(n, loss, first=step):
+            if args.save_every and (first + n) % args.save_every == 0 and first + n < end:
+                save(first + n)  # the epoch's end saves after evaluating
+            if args.log_every and (first + n) % args.log_every == 0 and rank == 0:
+                print(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
+                      f"loss(rank 0) {loss.item():.4f} eta {eta(first + n)}", flush=True)
+
+        train_loss, samples, seconds = train_one_epoch(
+            ddp_model, optimizer, scaler, train_x, train_y, order, args, device, after_step)
+        step = end
+        test_loss, test_accuracy, test_samples = evaluate(model, test_x, test_y, args, device,
+                                                          rank, world_size)
+        save(step)
         if rank == 0:
+            partial = stop < steps_per_epoch  # stopped by --max-steps in mid-epoch
             row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
-                   "train_loss": loss_sum.item() / samples, "test_loss": test_loss,
-                   "test_accuracy": test_acc, "test_samples": test_count,
-                   "samples_per_sec": samples / train_time, "partial": partial}
-            rate = (step - run_start_step) / (time.perf_counter() - run_start)
+                   "train_loss": train_loss, "test_loss": test_loss,
+                   "test_accuracy": test_accuracy, "test_samples": test_samples,
+                   "samples_per_sec": samples / seconds, "partial": partial}
             print(f"epoch {epoch + 1}/{args.epochs}{' (partial)' if partial else ''} step {step} "
-                  f"train_loss {row['train_loss']:.4f} test_loss {test_loss:.4f} "
-                  f"test_acc {100 * test_acc:.2f}% {row['samples_per_sec']:.0f} samples/s "
-                  f"eta {format_seconds((total_steps - step) / rate)}", flush=True)
+                  f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
+                  f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
+                  f"eta {eta(step)}", flush=True)
             if args.metrics:
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(row) + "\n")

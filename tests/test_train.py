@@ -71,6 +71,14 @@ def test_synthetic_data_is_learnable(tmp_path):
     assert row["test_accuracy"] > 0.5  # chance is 0.1
 
 
+def test_resnet18_takes_one_channel_images(mnist_dir, tmp_path):
+    result = run([sys.executable, TRAIN, "--arch", "resnet18", "--dataset", "mnist",
+                  "--no-download", "--data", mnist_dir, "--max-steps", "2",
+                  "--metrics", tmp_path / "m.jsonl"])
+    assert_ok(result)
+    assert metrics(tmp_path / "m.jsonl")[0]["test_samples"] == 101
+
+
 def test_fp16_steps_through_the_scaler_and_bf16_runs(mnist_dir, tmp_path):
     for amp in ("fp16", "bf16"):
         result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--amp", amp,
