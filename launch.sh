@@ -1,0 +1,392 @@
+#!/usr/bin/env bash
+#
+# Usage: launch.sh [options] HOSTFILE NPROC_PER_NODE [SCRIPT [ARGS...]]
+#
+# Runs SCRIPT (default: train.py) under torchrun with NPROC_PER_NODE
+# processes on every host in HOSTFILE, over SSH, and waits for it. ARGS go to
+# SCRIPT untouched.
+#
+# HOSTFILE has one host per line, [user@]host[:port]; '#' starts a comment.
+# The first host serves the rendezvous, on a free port there. localhost and
+# this machine's own name or addresses (written without user or port) run
+# here without SSH. Node ranks come from torchrun's c10d rendezvous and do
+# not necessarily follow line order.
+#
+# Options:
+#   --max-restarts N  restart the job on all hosts up to N times after a
+#                     worker fails (default: 0)
+#   --torchrun PATH   torchrun to run on every host (default: the one on this
+#                     machine's PATH, at the same absolute path)
+#   --workdir DIR     directory to run in on every host (default: this one)
+#   --env-file FILE   KEY=VALUE lines to set on every host
+#   --port PORT       rendezvous port on the first host (default: a free one)
+#   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
+#   --dry-run         check the hosts, print each host's command, start nothing
+#   -h, --help        show this help
+#
+# Every host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
+# CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
+# --env-file lines, through SSH's standard input: no value shows in `ps`.
+#
+# Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
+# SSH_COMMAND='ssh -F ./cluster_ssh_config'.
+#
+# If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C or
+# SIGTERM stops the job everywhere (exit 130 or 143). If launch.sh dies, each
+# host stops its part of the job as soon as its SSH input closes.
+
+set -euo pipefail
+
+readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
+readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5
+  -o ServerAliveInterval=5 -o ServerAliveCountMax=3)
+
+usage() {
+  sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
+}
+
+die() {
+  echo "launch.sh: $*" >&2
+  exit 2
+}
+
+# Runs on each host: checks the directory, torchrun and script, picks a free
+# port if asked, and prints "ok SSH_CONNECTION PORT" ("-" where unknown).
+check_node() {
+  local workdir=$1 torchrun=$2 script=$3 want_port=$4 path python port=-
+  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir"; return 1; }
+  path=$(command -v -- "$torchrun") || { echo "fail: no torchrun at $torchrun"; return 1; }
+  [[ -f $script ]] || { echo "fail: no $script in $workdir"; return 1; }
+  if [[ $want_port == yes ]]; then
+    python=${path%/*}/python
+    [[ -x $python ]] || python=python3
+    port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
+      || { echo "fail: cannot pick a free port"; return 1; }
+  fi
+  echo "ok ${SSH_CONNECTION:-- - - -} $port"
+}
+
+# Runs on each host: reads NUL-separated KEY=VALUE entries from stdin up to
+# an empty one, runs the command marked with LAUNCH_JOB=JOB in its
+# environment, and when it exits or stdin closes, kills every process that
+# carries the mark (torchrun starts its workers in sessions of their own).
+run_node() {
+  local job=$1 workdir=$2 entry torchrun_pid reader status
+  shift 2
+  while IFS= read -r -d '' entry && [[ -n $entry ]]; do
+    export "${entry?}"
+  done
+  cd -- "$workdir" || return 1
+  job_pids() {
+    grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
+  }
+  signal_job() {
+    local pids
+    mapfile -t pids < <(job_pids)
+    if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
+  }
+  LAUNCH_JOB=$job "$@" </dev/null &
+  torchrun_pid=$!
+  while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
+  reader=$!
+  status=0
+  wait -n || status=$?
+  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed: stop the job
+    status=143
+    signal_job TERM
+    for _ in {1..25}; do
+      [[ -n $(job_pids) ]] || break
+      sleep 0.2
+    done
+  fi
+  signal_job KILL
+  kill "$reader" 2>/dev/null || true
+  return "$status"
+}
+
+# Prints its arguments single-quoted for a POSIX shell, space-separated.
+quote_words() {
+  local word quoted=()
+  for word; do
+    quoted+=("'${word//\'/\'\\\'\'}'")
+  done
+  echo "${quoted[*]}"
+}
+
+# Sets cmd to run function $2 with arguments "${@:3}" on host number $1.
+build_command() {
+  local i=$1 function=$2 source
+  shift 2
+  source="$(declare -f "$function"); $function \"\$@\""
+  if [[ -n ${local_node[i]} ]]; then
+    cmd=(bash -c "$source" launch.sh "$@")
+  else
+    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
+      "${destinations[i]}" "$(quote_words bash -c "$source" launch.sh "$@")")
+  fi
+}
+
+is_port() {
+  [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
+}
+
+trim() {
+  local text=$1
+  text=${text#"${text%%[![:space:]]*}"}
+  echo "${text%"${text##*[![:space:]]}"}"
+}
+
+# Fills labels, destinations, ports and local_node from the host file $1.
+read_hostfile() {
+  local file=$1 line n=0 user host port key own_names=() addresses=()
+  local -A seen=()
+  [[ -f $file ]] || die "$file: no such file"
+  own_names=(localhost "$(hostname)")
+  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
+  own_names+=("${addresses[@]}")
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    line=$(trim "${line%%#*}")
+    [[ -n $line ]] || continue
+    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
+      die "$file:$n: not a [user@]host[:port]: $line"
+    fi
+    user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
+    [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
+    key="$host:${port:-22}"
+    [[ -z ${seen[$key]:-} ]] || die "$file:$n: duplicate host: $line"
+    seen[$key]=1
+    labels+=("$line")
+    destinations+=("${user:+$user@}$host")
+    ports+=("$port")
+    local_node+=("")
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
+      local_node[-1]=yes
+    fi
+  done <"$file"
+  ((${#labels[@]})) || die "$file: no hosts"
+}
+
+# Fills env_entries with what every host gets in its environment.
+collect_env() {
+  local name line n=0
+  env_entries=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) # a fresh store per restart round
+  while IFS= read -r name; do
+    if [[ $name =~ $FORWARDED ]]; then env_entries+=("$name=${!name}"); fi
+  done < <(compgen -e)
+  [[ -n $env_file ]] || return 0
+  [[ -f $env_file ]] || die "$env_file: no such file"
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    [[ $(trim "$line") =~ ^(#|$) ]] && continue
+    [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
+    env_entries+=("$line")
+  done <"$env_file"
+}
+
+# Checks every host in parallel; fills addresses and port, or prints a table
+# of the hosts that failed and exits 1.
+preflight() {
+  local i want_port pids=() reports=() report failed=() fields client=
+  for i in "${!labels[@]}"; do
+    want_port=no
+    [[ $i != 0 || -n $port ]] || want_port=yes
+    build_command "$i" check_node "$workdir" "$torchrun" "$script" "$want_port"
+    "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
+    pids+=($!)
+  done
+  trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT
+  trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM
+  for i in "${!labels[@]}"; do
+    wait "${pids[i]}" || true
+    report=$(grep '^ok ' "$tmp/preflight.$i" | tail -n 1) || true
+    if [[ -z $report ]]; then
+      report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
+      failed+=("$i")
+      reports[i]=${report#fail: }
+      continue
+    fi
+    read -ra fields <<<"$report"
+    addresses[i]=${fields[3]}
+    [[ -n ${local_node[i]} || -n $client ]] || client=${fields[1]}
+    [[ ${fields[5]} == - ]] || port=${fields[5]}
+  done
+  trap - INT TERM
+  if ((${#failed[@]})); then
+    echo "launch.sh: preflight failed, nothing was started:" >&2
+    for i in "${failed[@]}"; do
+      printf '  %-*s  %s\n' "$label_width" "${labels[i]}" "${reports[i]:-no answer}" >&2
+    done
+    exit 1
+  fi
+  for i in "${!labels[@]}"; do
+    [[ -z ${local_node[i]} ]] || addresses[i]=${client:-127.0.0.1}
+  done
+}
+
+# Sets node_args to torchrun's arguments for host number $1.
+set_node_args() {
+  local i=$1 is_host=0 host=${addresses[0]}
+  [[ $i != 0 ]] || is_host=1
+  [[ $host != *:* ]] || host="[$host]" # IPv6
+  node_args=(--nnodes="${#labels[@]}" --nproc-per-node="$nproc"
+    --rdzv-backend=c10d --rdzv-endpoint="$host:$port"
+    --rdzv-id="$job_id" --rdzv-conf="is_host=$is_host"
+    --max-restarts="$max_restarts" --local-addr="${addresses[i]}"
+    "$script" "${script_args[@]}")
+}
+
+print_dry_run() {
+  local i how names=()
+  for i in "${!env_entries[@]}"; do names+=("${env_entries[i]%%=*}"); done
+  echo "environment on every host: ${names[*]}"
+  for i in "${!labels[@]}"; do
+    set_node_args "$i"
+    how="ssh ${ports[i]:+-p ${ports[i]} }${destinations[i]}"
+    [[ -z ${local_node[i]} ]] || how=local
+    echo "${labels[i]} ($how): cd $(quote_words "$workdir") && $(quote_words "$torchrun" "${node_args[@]}")"
+  done
+}
+
+prefix_lines() {
+  local line
+  while IFS= read -r line || [[ -n $line ]]; do
+    printf '%s: %s\n' "$1" "$line"
+  done
+}
+
+# Starts torchrun on every host, each with its stdin held open by this
+# script only: closing it (or dying) stops that host.
+start_hosts() {
+  local i fd
+  for i in "${!labels[@]}"; do
+    mkfifo "$tmp/stdin.$i"
+    set_node_args "$i"
+    build_command "$i" run_node "$job_id/$i" "$workdir" "$torchrun" "${node_args[@]}"
+    "${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
+      prefix_lines "${labels[i]}" &
+    running[$!]=$i
+    started[i]=$SECONDS
+  done
+  trap '' PIPE # a host that is already gone must not kill this script
+  for i in "${!labels[@]}"; do
+    exec {fd}>"$tmp/stdin.$i"
+    rm "$tmp/stdin.$i"
+    printf '%s\0' "${env_entries[@]}" '' 2>/dev/null 1>&"$fd" || true
+    stdin_fds+=("$fd")
+  done
+  [[ -z $stopping ]] || stop_hosts # a signal came while starting
+}
+
+stop_hosts() {
+  local fd
+  for fd in "${stdin_fds[@]}"; do exec {fd}>&-; done
+  stdin_fds=()
+  stopping=yes
+}
+
+on_signal() {
+  signal_status=${signal_status:-$1}
+  stop_hosts
+}
+
+# Waits for every host; on the first failure, stops the others.
+wait_for_hosts() {
+  local pid i status
+  while ((${#running[@]})); do
+    pid=
+    status=0
+    wait -n -p pid "${!running[@]}" || status=$?
+    [[ -n ${pid:-} ]] || continue # a signal interrupted the wait (and unset pid)
+    i=${running[$pid]}
+    unset "running[$pid]"
+    statuses[i]=$status
+    durations[i]=$((SECONDS - started[i]))
+    [[ -z $stopping ]] || stopped[i]=yes
+    if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
+      first_failure=$i
+      stop_hosts
+    fi
+  done
+}
+
+print_summary() {
+  local i
+  {
+    echo "launch.sh: job $job_id, logs in $log_dir/"
+    printf '  %-*s  %-4s  %s\n' "$label_width" HOST EXIT SECONDS
+    for i in "${!labels[@]}"; do
+      printf '  %-*s  %-4s  %s%s\n' "$label_width" "${labels[i]}" "${statuses[i]}" \
+        "${durations[i]}" "${stopped[i]:+  (stopped by launch.sh)}"
+    done
+    if [[ -n $first_failure ]]; then
+      i=$first_failure
+      echo "launch.sh: ${labels[i]} failed first (exit ${statuses[i]}); the end of its log:"
+      tail -n 20 "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
+    fi
+  } >&2
+}
+
+main() {
+  local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
+  local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
+  local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
+  local ssh_command=() stdin_fds=() started=() statuses=() durations=() stopped=()
+  local stopping='' first_failure='' signal_status='' label_width
+  local -A running=()
+
+  while (($#)); do
+    case $1 in
+      -h | --help) usage; exit 0 ;;
+      --max-restarts) max_restarts=${2-} ;;
+      --torchrun) torchrun=${2-} ;;
+      --workdir) workdir=${2-} ;;
+      --env-file) env_file=${2-} ;;
+      --port) port=${2-} ;;
+      --log-dir) log_dir=${2-} ;;
+      --dry-run) dry_run=yes; shift; continue ;;
+      -*) die "unknown option: $1 (see --help)" ;;
+      *) break ;;
+    esac
+    (($# >= 2)) || die "$1 needs a value"
+    shift 2
+  done
+  (($# >= 2)) || die "usage: launch.sh [options] HOSTFILE NPROC_PER_NODE [SCRIPT [ARGS...]] (see --help)"
+  hostfile=$1 nproc=$2 script=${3:-train.py}
+  script_args=("${@:4}")
+
+  ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)) || die "needs bash 5.1 or newer"
+  [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
+  [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
+  [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
+  [[ -n $workdir ]] || die "--workdir must not be empty"
+  read_hostfile "$hostfile"
+  collect_env
+  if [[ -z $torchrun ]]; then
+    torchrun=$(command -v torchrun) || die "torchrun not found on PATH; use --torchrun"
+  fi
+  read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  label_width=4
+  for i in "${labels[@]}"; do ((${#i} <= label_width)) || label_width=${#i}; done
+
+  printf -v job_id '%(%Y%m%d-%H%M%S)T-%s' -1 "$$"
+  tmp=$(mktemp -d) # global: the EXIT trap runs after main returns
+  trap 'rm -rf "$tmp"' EXIT
+  preflight
+  if [[ -n $dry_run ]]; then
+    print_dry_run
+    exit 0
+  fi
+
+  log_dir=$log_dir/$job_id
+  mkdir -p "$log_dir"
+  trap 'on_signal 130' INT
+  trap 'on_signal 143' TERM
+  start_hosts
+  wait_for_hosts
+  print_summary
+  if [[ -n $signal_status ]]; then exit "$signal_status"; fi
+  [[ -z $first_failure ]] || exit 1
+}
+
+main "$@"

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+#
+# Usage: setup_ssh.sh [--key PATH] HOSTFILE
+#
+# Makes password-less (BatchMode) SSH work from here to every host in
+# HOSTFILE (the format of launch.sh: [user@]host[:port] per line, '#'
+# comments). localhost and this machine's own name or addresses are skipped.
+#
+# 1. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if it is
+#    missing; an existing key is never overwritten.
+# 2. Adds its public key to ~/.ssh/authorized_keys on every host where it is
+#    not there yet (~/.ssh 700, the file 600). A host that already accepts
+#    the key is not asked for a password. Otherwise the password comes from
+#    $SSHPASS through `sshpass -e` when both are there, or is asked once per
+#    host. New host keys are recorded with StrictHostKeyChecking=accept-new;
+#    a changed host key stops that host.
+# 3. Prints a table of whether BatchMode login works on each host, and exits 1
+#    if it does not on any.
+#
+# Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
+# SSH_COMMAND='ssh -F ./cluster_ssh_config'.
+#
+# Options:
+#   --key PATH  private key to use (default: ~/.ssh/id_ed25519)
+#   -h, --help  show this help
+
+set -euo pipefail
+
+# Runs on each host: reads the public key from stdin and appends it to
+# ~/.ssh/authorized_keys unless it is there already.
+# shellcheck disable=SC2016 # expands there, not here
+readonly INSTALL_KEY='umask 077 && read -r key && mkdir -p ~/.ssh && chmod 700 ~/.ssh &&
+{ grep -qxF "$key" ~/.ssh/authorized_keys 2>/dev/null || echo "$key" >>~/.ssh/authorized_keys; } &&
+chmod 600 ~/.ssh/authorized_keys'
+
+usage() {
+  sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
+}
+
+die() {
+  echo "setup_ssh.sh: $*" >&2
+  exit 2
+}
+
+trim() {
+  local text=$1
+  text=${text#"${text%%[![:space:]]*}"}
+  echo "${text%"${text##*[![:space:]]}"}"
+}
+
+# Fills labels, destinations and ports with the remote hosts of file $1.
+read_hostfile() {
+  local file=$1 line n=0 user host port own_names=() addresses=()
+  [[ -f $file ]] || die "$file: no such file"
+  own_names=(localhost "$(hostname)")
+  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
+  own_names+=("${addresses[@]}")
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    line=$(trim "${line%%#*}")
+    [[ -n $line ]] || continue
+    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
+      die "$file:$n: not a [user@]host[:port]: $line"
+    fi
+    user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
+      continue
+    fi
+    labels+=("$line")
+    destinations+=("${user:+$user@}$host")
+    ports+=("$port")
+  done <"$file"
+}
+
+create_key() {
+  [[ ! -e $key ]] || return 0
+  (umask 077 && mkdir -p "$(dirname -- "$key")")
+  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(hostname)" -f "$key"
+  echo "setup_ssh.sh: created $key" >&2
+}
+
+# Sets cmd to ssh to host number $1 with the extra options "${@:2}".
+ssh_for() {
+  local i=$1
+  shift
+  cmd=("${ssh_command[@]}" -i "$key" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
+    ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
+}
+
+install_key() {
+  local i=$1
+  ssh_for "$i" -o BatchMode=yes
+  "${cmd[@]}" "$INSTALL_KEY" <"$key.pub" 2>/dev/null && return 0
+  echo "setup_ssh.sh: ${labels[i]}: installing $key.pub with a password login" >&2
+  ssh_for "$i" -o NumberOfPasswordPrompts=1
+  if [[ -n ${SSHPASS:-} ]] && command -v sshpass >/dev/null; then
+    cmd=(sshpass -e "${cmd[@]}")
+  fi
+  "${cmd[@]}" "$INSTALL_KEY" <"$key.pub"
+}
+
+# Prints "ok" or why BatchMode login to host number $1 fails.
+check_login() {
+  local i=$1 output
+  ssh_for "$i" -o BatchMode=yes
+  if output=$("${cmd[@]}" true 2>&1 </dev/null); then
+    echo ok
+  else
+    echo "FAILED: $(tail -n 1 <<<"$output")"
+  fi
+}
+
+main() {
+  local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() ssh_command=() cmd=()
+  local i width=4 result failed=0
+  while (($#)); do
+    case $1 in
+      -h | --help) usage; exit 0 ;;
+      --key) (($# >= 2)) || die "--key needs a value"; key=$2; shift 2 ;;
+      -*) die "unknown option: $1 (see --help)" ;;
+      *) break ;;
+    esac
+  done
+  (($# == 1)) || die "usage: setup_ssh.sh [--key PATH] HOSTFILE (see --help)"
+  read_hostfile "$1"
+  read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  create_key
+
+  for i in "${!labels[@]}"; do
+    install_key "$i" || true # the table below reports it
+    ((${#labels[i]} <= width)) || width=${#labels[i]}
+  done
+  printf '%-*s  %s\n' "$width" HOST "BATCHMODE LOGIN"
+  for i in "${!labels[@]}"; do
+    result=$(check_login "$i")
+    [[ $result == ok ]] || failed=1
+    printf '%-*s  %s\n' "$width" "${labels[i]}" "$result"
+  done
+  return "$failed"
+}
+
+main "$@"

@@ -1,0 +1,384 @@
+"""A simulated cluster of real SSH hosts for end-to-end tests.
+
+Each host is a network namespace joined to a private bridge by a veth pair,
+with its own address in a /24 that exists only inside this machine, its own
+hostname (UTS namespace), its own /etc/hosts (naming only itself: hosts cannot
+resolve each other, so they must meet by address), /etc/passwd and /etc/shadow
+(bind-mounted by `ip netns exec` from /etc/netns/<ns>/) and its own sshd.
+root's home on a host is a fresh directory under the cluster's temp dir, so
+nothing touches the real ~/.ssh or /etc/hosts. All hosts share this
+machine's filesystem and pid namespace.
+
+Usage from a test module:
+
+    from cluster import cluster_fixture
+    cluster = cluster_fixture(n_hosts=3)          # module-scoped fixture
+
+    def test_something(cluster):
+        env = cluster.env()                        # has SSH_COMMAND set
+        cluster.write_hostfile(path)               # all hosts, one per line
+        cluster.processes("node2")                 # what runs on node2
+        cluster.run("node2", ["hostname"])         # run inside node2
+
+Or directly: `with simulated_cluster(3) as cluster: ...`.
+
+Needs root, iproute2, util-linux (unshare, nsenter), openssh-server and
+openssl (for the password hash).
+Without them the fixture skips, unless REQUIRE_CLUSTER_TESTS=1, in which
+case it fails.
+"""
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+SSHD = "/usr/sbin/sshd"
+_instances = 0  # clusters built by this process, for unique names
+TOOLS = ("ip", "unshare", "nsenter", "ssh", "ssh-keygen", "openssl")
+
+
+def missing_prerequisites():
+    """Return a list of reasons the cluster cannot be built here."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("must run as root")
+    missing += [f"{tool} not installed" for tool in TOOLS if not shutil.which(tool)]
+    if not os.access(SSHD, os.X_OK):
+        missing.append(f"{SSHD} not installed (apt-get install openssh-server)")
+    return missing
+
+
+def require_prerequisites():
+    """Skip the calling test, or fail it when REQUIRE_CLUSTER_TESTS=1."""
+    missing = missing_prerequisites()
+    if not missing:
+        return
+    reason = "simulated cluster unavailable: " + "; ".join(missing)
+    if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
+        pytest.fail(reason + " (REQUIRE_CLUSTER_TESTS=1)")
+    pytest.skip(reason)
+
+
+def cluster_fixture(n_hosts=3, scope="module", **options):
+    """Make a pytest fixture yielding a Cluster (see simulated_cluster)."""
+
+    @pytest.fixture(scope=scope)
+    def _cluster():
+        require_prerequisites()
+        with simulated_cluster(n_hosts, **options) as cluster:
+            yield cluster
+
+    return _cluster
+
+
+def _sh(*args, **kwargs):
+    return subprocess.run(
+        [str(a) for a in args], check=True, capture_output=True, text=True, **kwargs
+    )
+
+
+def _free_subnet():
+    """A /24 in 10.200.0.0/13 that no route or address here overlaps."""
+    used = []
+    for line in _sh("ip", "-4", "-o", "route", "show", "table", "all").stdout.splitlines():
+        dest = line.split()[0]
+        if dest in ("default", "broadcast", "local"):
+            dest = line.split()[1]
+        with contextlib.suppress(ValueError):
+            used.append(ipaddress.ip_network(dest, strict=False))
+    start = os.getpid() % 2048
+    for i in range(2048):
+        index = (start + i) % 2048
+        net = ipaddress.ip_network(f"10.{200 + index // 256}.{index % 256}.0/24")
+        if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
+            return net
+    raise RuntimeError("no free 10.200.0.0/13 subnet")
+
+
+@dataclasses.dataclass
+class Host:
+    name: str  # hostname inside the host, and its alias in ssh_config
+    address: str
+    netns: str
+    dir: Path  # sshd config, keys, logs; home/ is root's home there
+
+    @property
+    def pidfile(self):
+        return self.dir / "sshd.pid"
+
+    def sshd_pid(self):
+        return int(self.pidfile.read_text())
+
+
+@dataclasses.dataclass
+class Cluster:
+    hosts: list  # host names, in order
+    dir: Path
+    ssh_config: Path
+    key: Path  # private key authorized on every host (unless authorize=False)
+    known_hosts: Path
+    subnet: str
+    local_address: str  # this machine's address on the cluster's network
+    unreachable_address: str  # in the subnet, but no host answers there
+    password: str | None
+    _hosts: dict = dataclasses.field(repr=False)
+
+    @property
+    def ssh_command(self):
+        return f"ssh -F {self.ssh_config}"
+
+    def host(self, name):
+        return self._hosts[name]
+
+    def address(self, name):
+        return self._hosts[name].address
+
+    def env(self, **extra):
+        """os.environ plus SSH_COMMAND for this cluster, plus extra."""
+        return {**os.environ, "SSH_COMMAND": self.ssh_command, **extra}
+
+    def write_hostfile(self, path, hosts=None):
+        """Write a hosts file listing hosts (default: all) one per line."""
+        Path(path).write_text("".join(f"{h}\n" for h in hosts or self.hosts))
+        return Path(path)
+
+    def run(self, name, args, **kwargs):
+        """Run args inside host name's network, UTS and mount namespaces."""
+        target = str(self._hosts[name].sshd_pid())
+        return subprocess.run(
+            ["nsenter", "-t", target, "-n", "-u", "-m", "--", *map(str, args)], **kwargs
+        )
+
+    def processes(self, name, include_sshd=False):
+        """[(pid, argv)] of every process in host name's network namespace.
+
+        The host's listening sshd is left out unless include_sshd is set.
+        """
+        host = self._hosts[name]
+        netns = os.stat(f"/run/netns/{host.netns}").st_ino
+        sshd = None if include_sshd else host.sshd_pid()
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == sshd:
+                continue
+            try:
+                if os.stat(f"/proc/{entry.name}/ns/net").st_ino != netns:
+                    continue
+                argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            found.append((int(entry.name), [a.decode(errors="replace") for a in argv if a]))
+        return found
+
+    def all_processes(self):
+        """{host name: processes(host)} for every host."""
+        return {name: self.processes(name) for name in self.hosts}
+
+    def wait_until_idle(self, timeout):
+        """Wait until no host runs anything but its sshd; return what is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {n: p for n, p in self.all_processes().items() if p}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def kill_all(self, name):
+        """SIGKILL every process of host name except its sshd."""
+        for pid, _ in self.processes(name):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True):
+    """Build n_hosts simulated SSH hosts; tear everything down on exit.
+
+    password: if set, sshd accepts this root password (password login);
+        otherwise only public keys.
+    authorize: put cluster.key's public key in every host's
+        ~/.ssh/authorized_keys.
+    known_hosts: pre-record every host key in cluster.known_hosts
+        (otherwise it starts empty).
+    """
+    global _instances
+    _instances += 1
+    _remove_stale_clusters()
+    tag = f"sc{os.getpid()}x{_instances}"
+    subnet = _free_subnet()
+    addresses = [str(a) for a in subnet.hosts()]
+    base = Path(tempfile.mkdtemp(prefix=f"simcluster-{tag}-"))
+    bridge = f"{tag}br"
+    hosts = {}
+    try:
+        _sh("ip", "link", "add", bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{addresses[0]}/24", "dev", bridge)
+        _sh("ip", "link", "set", bridge, "up")
+        names = [f"node{i}" for i in range(1, n_hosts + 1)]
+        for i, name in enumerate(names, start=1):
+            hosts[name] = Host(name, addresses[i], f"{tag}h{i}", base / name)
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
+        for host in hosts.values():
+            _start_host(host, bridge, hosts, base, password, authorize)
+        (base / "known_hosts").write_text(
+            "".join(
+                f"{h.name},{h.address} {(h.dir / 'ssh_host_ed25519_key.pub').read_text()}"
+                for h in hosts.values()
+            )
+            if known_hosts
+            else ""
+        )
+        (base / "ssh_config").write_text(
+            "".join(f"Host {h.name}\n  HostName {h.address}\n" for h in hosts.values())
+            + "Host *\n"
+            + "  User root\n"
+            + f"  IdentityFile {base / 'id_ed25519'}\n"
+            + "  IdentitiesOnly yes\n"
+            + f"  UserKnownHostsFile {base / 'known_hosts'}\n"
+            + "  GlobalKnownHostsFile /dev/null\n"
+            + "  LogLevel ERROR\n"
+        )
+        for host in hosts.values():
+            _wait_for_sshd(host)
+        yield Cluster(
+            hosts=names,
+            dir=base,
+            ssh_config=base / "ssh_config",
+            key=base / "id_ed25519",
+            known_hosts=base / "known_hosts",
+            subnet=str(subnet),
+            local_address=addresses[0],
+            unreachable_address=addresses[-1],
+            password=password,
+            _hosts=hosts,
+        )
+    finally:
+        _teardown(hosts.values(), bridge, base)
+
+
+def _start_host(host, bridge, hosts, base, password, authorize):
+    host.dir.mkdir()
+    home = host.dir / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    if authorize:
+        keys = home / ".ssh" / "authorized_keys"
+        keys.write_text((base / "id_ed25519.pub").read_text())
+        keys.chmod(0o600)
+    etc = Path("/etc/netns") / host.netns
+    etc.mkdir(parents=True)
+    # Only itself: hosts must meet by address, as on networks without DNS.
+    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{host.address} {host.name}\n")
+    (etc / "passwd").write_text(
+        "".join(
+            _with_home(line, home) if line.startswith("root:") else line
+            for line in Path("/etc/passwd").read_text().splitlines(keepends=True)
+        )
+    )
+    hashed = "*"
+    if password:
+        hashed = _sh("openssl", "passwd", "-6", "-stdin", input=password).stdout.strip()
+    (etc / "shadow").write_text(f"root:{hashed}:19000:0:99999:7:::\n")
+    (etc / "shadow").chmod(0o600)
+
+    _sh("ip", "netns", "add", host.netns)
+    veth = f"{host.netns}v"
+    _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
+    _sh("ip", "link", "set", veth, "master", bridge, "up")
+    _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+    _sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
+    _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
+
+    key = host.dir / "ssh_host_ed25519_key"
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
+    config = host.dir / "sshd_config"
+    config.write_text(
+        f"ListenAddress {host.address}\n"
+        f"HostKey {key}\n"
+        f"PidFile {host.pidfile}\n"
+        "PermitRootLogin yes\n"
+        f"PasswordAuthentication {'yes' if password else 'no'}\n"
+        "KbdInteractiveAuthentication no\n"
+        "UsePAM no\n"
+        "StrictModes no\n"
+        "PrintMotd no\n"
+    )
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep dir
+    _sh(
+        "ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",
+        'hostname "$1" && exec "$2" -f "$3" -E "$4"',
+        "sh", host.name, SSHD, config, host.dir / "sshd.log",
+    )
+
+
+def _with_home(passwd_line, home):
+    fields = passwd_line.rstrip("\n").split(":")
+    fields[5] = str(home)
+    return ":".join(fields) + "\n"
+
+
+def _wait_for_sshd(host, timeout=10):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.address, 22), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                log = (host.dir / "sshd.log").read_text() if (host.dir / "sshd.log").exists() else ""
+                raise RuntimeError(f"sshd on {host.name} did not start: {log}") from None
+            time.sleep(0.05)
+
+
+def _delete_netns(name):
+    """Kill every process in network namespace name, then delete it."""
+    path = Path("/run/netns") / name
+    if path.exists():
+        netns = os.stat(path).st_ino
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{entry.name}/ns/net").st_ino == netns:
+                        os.kill(int(entry.name), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+
+
+def _teardown(hosts, bridge, base):
+    for host in hosts:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(host.sshd_pid(), signal.SIGKILL)
+        _delete_netns(host.netns)
+    with contextlib.suppress(OSError):
+        Path("/etc/netns").rmdir()  # only if we left it empty
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _remove_stale_clusters():
+    """Delete the namespaces and bridges of clusters whose process is gone
+    (a test run killed before its teardown)."""
+    netns = _sh("ip", "netns", "list").stdout.split()
+    bridges = [
+        line.split(": ")[1].split("@")[0]
+        for line in _sh("ip", "-o", "link", "show", "type", "bridge").stdout.splitlines()
+    ]
+    for name in netns + bridges:
+        owner = re.fullmatch(r"sc(\d+)x\d+(h\d+|br)", name)
+        if owner and not Path(f"/proc/{owner.group(1)}").exists():
+            if name.endswith("br"):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+            else:
+                _delete_netns(name)
+    with contextlib.suppress(OSError):
+        Path("/etc/netns").rmdir()  # only if empty

@@ -1,0 +1,31 @@
+"""Stand-in for train.py in launch tests: joins gloo, all-reduces, reports.
+
+Every rank prints its rank, the world size, the sum of all ranks, a few
+environment variables and its --echo argument.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=1)
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--echo", default="")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+print(f"probe: running rank={rank}", flush=True)
+for _ in range(args.steps):
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    time.sleep(args.sleep)
+names = ("PROBE_SECRET", "TORCH_PROBE_SECRET", "LAUNCHER_ONLY")
+print(f"probe: rank={rank} world_size={world} sum={int(total.item())} "
+      + " ".join(f"{n}={os.environ.get(n)}" for n in names)
+      + f" echo={args.echo!r}", flush=True)
+dist.destroy_process_group()

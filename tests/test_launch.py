@@ -1,0 +1,409 @@
+"""launch.sh against a simulated cluster of real sshd hosts (see cluster.py)."""
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import cluster_fixture
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch.sh"
+TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
+LONG_TRAIN = [*TRAIN, "--epochs", "1000", "--log-every", "5"]  # runs until stopped
+
+cluster = cluster_fixture(n_hosts=3)
+
+
+def launch_env(cluster=None, **extra):
+    """Environment for launch.sh: this python's torchrun first on PATH."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+    }
+    if cluster:
+        env["SSH_COMMAND"] = cluster.ssh_command
+    return {**env, **extra}
+
+
+class Launch:
+    """launch.sh in the background, in a session of its own, with SIGINT at
+    its default disposition (a background job would otherwise ignore it)."""
+
+    def __init__(self, args, env, cwd, out_dir):
+        self.out_path, self.err_path = out_dir / "launch.out", out_dir / "launch.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                ["env", "--default-signal=INT", LAUNCH, *map(str, args)],
+                cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True,
+            )
+        self.pid = self.proc.pid
+
+    @property
+    def out(self):
+        return self.out_path.read_text()
+
+    @property
+    def err(self):
+        return self.err_path.read_text()
+
+    def wait(self, timeout):
+        """Exit status; fail (after killing the launch) if it takes longer."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"launch.sh still running after {timeout}s\n{self.out}\n{self.err}")
+
+    def wait_for_output(self, pattern, timeout=90):
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.out, re.M):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no {pattern!r} in the output\n{self.out}\n{self.err}")
+            time.sleep(0.2)
+
+    def job_id(self):
+        return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def start(tmp_path, request):
+    """start(args, env, cwd=REPO) -> Launch; everything is killed afterwards."""
+    launches = []
+
+    def _start(args, env, cwd=REPO):
+        launches.append(Launch(args, env, cwd, tmp_path))
+        return launches[-1]
+
+    yield _start
+    for launch in launches:
+        launch.kill()
+    if "cluster" in request.fixturenames:
+        the_cluster = request.getfixturevalue("cluster")
+        for host in the_cluster.hosts:
+            the_cluster.kill_all(host)
+
+
+def run_launch(start, args, env, timeout=120, cwd=REPO):
+    launch = start(args, env, cwd)
+    launch.wait(timeout)
+    return launch
+
+
+def session_processes(sid):
+    """Pids of the processes in session sid (launch.sh and its ssh clients)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def assert_nothing_left(cluster, launch, timeout=10):
+    """No process of the job on any host, nor any ssh client here."""
+    left = cluster.wait_until_idle(timeout)
+    assert not left, f"left running: {left}"
+    deadline = time.monotonic() + timeout
+    while session_processes(launch.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_processes(launch.pid)
+
+
+def workers(cluster, host):
+    """Pids of the training processes (not torchrun) on host."""
+    return [
+        pid
+        for pid, argv in cluster.processes(host)
+        if "train.py" in argv and not any(a.endswith("torchrun") for a in argv)
+    ]
+
+
+def fake_ssh(tmp_path):
+    """An SSH_COMMAND that only records that it was called."""
+    script = tmp_path / "fake-ssh"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "ssh-called"}\nexit 255\n')
+    script.chmod(0o755)
+    return str(script), tmp_path / "ssh-called"
+
+
+def test_success_on_three_hosts(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    env_file = tmp_path / "env"
+    env_file.write_text("# torchrun logs at INFO, so every host prints something\nLOGLEVEL=INFO\n")
+    metrics = tmp_path / "metrics.jsonl"
+    launch = run_launch(
+        start,
+        ["--workdir", REPO, "--env-file", env_file, hostfile, "1",
+         *TRAIN, "--epochs", "1", "--max-steps", "6", "--metrics", metrics],
+        launch_env(cluster), cwd=tmp_path,
+    )
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    assert re.search(r"^node[123]: start: world_size=3 backend=gloo", launch.out, re.M)
+    assert '"world_size": 3' in metrics.read_text()
+    logs = tmp_path / "logs" / launch.job_id()
+    for host in cluster.hosts:
+        assert re.search(rf"^{host}: ", launch.out, re.M), f"no line from {host}"
+        assert re.search(rf"^  {host} +0 ", launch.err, re.M), f"{host} not in the summary"
+        log = (logs / f"{host}.log").read_text()
+        assert log and all(f"{host}: {line}" in launch.out for line in log.splitlines())
+    assert_nothing_left(cluster, launch)
+
+
+def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start):
+    secret, torch_secret = "s3cret-from-env-file", "s3cret-from-environment"
+    env_file = tmp_path / "env"
+    env_file.write_text(f"PROBE_SECRET={secret}\n")
+    odd_arg = "two words 'quoted' \"double\" $(touch x) `touch y` ; *"
+    launch = start(
+        ["--log-dir", tmp_path / "logs", "--env-file", env_file,
+         cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2]), "2",
+         "tests/dist_probe.py", "--steps", "8", "--sleep", "0.5", "--echo", odd_arg],
+        launch_env(cluster, TORCH_PROBE_SECRET=torch_secret, LAUNCHER_ONLY="not forwarded"),
+    )
+    launch.wait_for_output(r"^node\d: probe: running")
+    command_lines = [
+        Path(f"/proc/{e.name}/cmdline").read_bytes()
+        for e in os.scandir("/proc") if e.name.isdigit() and os.path.exists(f"/proc/{e.name}/cmdline")
+    ]
+    assert not [c for c in command_lines if secret.encode() in c or torch_secret.encode() in c]
+    assert launch.wait(60) == 0, launch.out + launch.err
+    reports = re.findall(r"^(node\d): probe: rank=(\d) world_size=4 sum=6 (.*)$", launch.out, re.M)
+    assert sorted(rank for _, rank, _ in reports) == ["0", "1", "2", "3"]
+    assert sorted(host for host, _, _ in reports) == ["node1", "node1", "node2", "node2"]
+    for _, _, rest in reports:
+        assert f"PROBE_SECRET={secret} TORCH_PROBE_SECRET={torch_secret} LAUNCHER_ONLY=None" in rest
+        assert rest.endswith(f"echo={odd_arg!r}")
+    assert not (REPO / "x").exists() and not (REPO / "y").exists()
+    assert_nothing_left(cluster, launch)
+
+
+def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("# rendezvous host first\n\n  root@node1:22  # with user and port\nnode2\n")
+    launch = run_launch(
+        start, ["--dry-run", "--log-dir", tmp_path / "logs", hostfile, "2", *TRAIN, "--epochs", "1"],
+        launch_env(cluster), timeout=30,
+    )
+    assert launch.proc.returncode == 0, launch.err
+    node1, node2 = cluster.address("node1"), cluster.address("node2")
+    lines = launch.out.splitlines()
+    assert re.fullmatch(r"environment on every host: .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE.*", lines[0])
+    assert lines[1].startswith("root@node1:22 (ssh -p 22 root@node1): cd ")
+    assert lines[2].startswith("node2 (ssh node2): cd ")
+    for line, address in ((lines[1], node1), (lines[2], node2)):
+        assert re.search(rf"'--rdzv-endpoint={node1}:\d+' '--rdzv-id=\S+' ", line)
+        assert f"'--local-addr={address}'" in line
+        assert "'--nnodes=2' '--nproc-per-node=2'" in line
+        assert line.endswith("'train.py' '--arch' 'cnn' '--dataset' 'synthetic' '--epochs' '1'")
+    assert not (tmp_path / "logs").exists()
+    assert not cluster.wait_until_idle(0)
+
+
+def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
+    """A local first host serves the rendezvous on the address the others see."""
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
+    launch = run_launch(
+        start, ["--dry-run", "--port", "29999", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
+    )
+    assert launch.proc.returncode == 0, launch.err
+    lines = launch.out.splitlines()
+    assert lines[1].startswith("localhost (local): ") and lines[2].startswith("node1 (ssh node1): ")
+    for line in lines[1:]:
+        assert f"'--rdzv-endpoint={cluster.local_address}:29999'" in line
+    assert f"'--local-addr={cluster.local_address}'" in lines[1]
+    assert f"'--local-addr={cluster.address('node1')}'" in lines[2]
+
+
+def test_own_name_and_loopback_run_locally(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{socket.gethostname()}\n127.0.0.1\n")
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    launch = run_launch(
+        start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_command), timeout=30
+    )
+    assert launch.proc.returncode == 0, launch.err
+    lines = launch.out.splitlines()
+    assert lines[1].startswith(f"{socket.gethostname()} (local): ")
+    assert lines[2].startswith("127.0.0.1 (local): ")
+    assert "'--rdzv-endpoint=127.0.0.1:" in lines[1]
+    assert not ssh_called.exists()
+
+
+@pytest.mark.parametrize(
+    "hostfile, nproc, message",
+    [
+        (None, "2", "no such file"),
+        ("", "2", "no hosts"),
+        ("# only a comment\n\n", "2", "no hosts"),
+        ("localhost;touch {marker}\n", "2", "not a [user@]host[:port]"),
+        ("localhost\n$(touch {marker})\n", "2", "not a [user@]host[:port]"),
+        ("`touch {marker}`\n", "2", "not a [user@]host[:port]"),
+        ("-oProxyCommand=touch {marker}\n", "2", "not a [user@]host[:port]"),
+        ("localhost other\n", "2", "not a [user@]host[:port]"),
+        ("node1:0\n", "2", "bad port"),
+        ("node1:70000\n", "2", "bad port"),
+        ("node1\nnode2\nnode1:22\n", "2", "duplicate host"),
+        ("localhost\n", "0", "positive integer"),
+        ("localhost\n", "-1", "positive integer"),
+        ("localhost\n", "two", "positive integer"),
+    ],
+)
+def test_rejects_bad_input_before_starting_anything(tmp_path, start, hostfile, nproc, message):
+    marker = tmp_path / "injected"
+    path = tmp_path / "hosts.txt"
+    if hostfile is not None:
+        path.write_text(hostfile.format(marker=marker))
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    launch = run_launch(start, [path, nproc], launch_env(SSH_COMMAND=ssh_command), timeout=30, cwd=tmp_path)
+    assert launch.proc.returncode == 2
+    assert message in launch.err and len(launch.err.splitlines()) == 1, launch.err
+    assert launch.out == ""
+    assert not marker.exists() and not ssh_called.exists()
+    assert not (tmp_path / "logs").exists()
+
+
+def test_rejects_bad_env_file(tmp_path, start):
+    env_file = tmp_path / "env"
+    env_file.write_text("GOOD=1\nexport BAD=1\n")
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    launch = run_launch(
+        start, ["--env-file", env_file, REPO / "hosts.txt", "1"],
+        launch_env(SSH_COMMAND=ssh_command), timeout=30, cwd=tmp_path,
+    )
+    assert launch.proc.returncode == 2 and "env:2: not KEY=VALUE" in launch.err
+    assert not ssh_called.exists()
+
+
+def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(
+        tmp_path / "hosts.txt", [*cluster.hosts[:2], cluster.unreachable_address]
+    )
+    began = time.monotonic()
+    launch = run_launch(
+        start, ["--log-dir", tmp_path / "logs", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
+    )
+    assert launch.proc.returncode == 1
+    assert time.monotonic() - began < 5 + 5  # ssh's ConnectTimeout, plus slack
+    assert "preflight failed, nothing was started" in launch.err
+    failed = launch.err.splitlines()[1:]
+    assert len(failed) == 1 and cluster.unreachable_address in failed[0], launch.err
+    assert "timed out" in failed[0] or "No route" in failed[0], launch.err
+    assert not (tmp_path / "logs").exists()
+    assert not cluster.wait_until_idle(0)
+
+
+def test_preflight_names_every_failing_host(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    launch = run_launch(
+        start, ["--torchrun", "/no/such/torchrun", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
+    )
+    assert launch.proc.returncode == 1
+    for host in cluster.hosts:
+        assert re.search(rf"^  {host} +no torchrun at /no/such/torchrun$", launch.err, re.M), launch.err
+
+
+def test_localhost_runs_without_ssh(tmp_path, start):
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    launch = run_launch(
+        start,
+        ["--log-dir", tmp_path / "logs", "hosts.txt", "2", *TRAIN, "--epochs", "1", "--max-steps", "4"],
+        launch_env(SSH_COMMAND=ssh_command),
+    )
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    assert re.search(r"^localhost: start: world_size=2 ", launch.out, re.M)
+    assert not ssh_called.exists()
+    assert (tmp_path / "logs" / launch.job_id() / "localhost.log").read_text()
+    marker = f"LAUNCH_JOB={launch.job_id()}/".encode()
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            assert marker not in Path(f"/proc/{entry.name}/environ").read_bytes()
+
+
+def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
+    (victim,) = workers(cluster, "node3")
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    assert launch.wait(30) == 1
+    assert time.monotonic() - killed < 30
+    assert re.search(r"^launch.sh: node3 failed first \(exit 1\); the end of its log:\n  node3: ", launch.err, re.M), launch.err
+    assert_nothing_left(cluster, launch)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_stops_every_host(cluster, tmp_path, start, signum, status):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
+    os.kill(launch.pid, signum)
+    assert launch.wait(15) == status, launch.err
+    assert_nothing_left(cluster, launch)
+
+
+def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
+    os.kill(launch.pid, signal.SIGKILL)
+    launch.proc.wait()
+    assert_nothing_left(cluster, launch)
+
+
+def test_restart_resumes_exactly(cluster, tmp_path, start):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
+    steps = [*TRAIN, "--epochs", "1", "--max-steps", "120", "--save-every", "20", "--log-every", "20"]
+    reference = run_launch(
+        start,
+        ["--log-dir", tmp_path / "logs", hostfile, "1", *steps, "--checkpoint-dir", tmp_path / "a"],
+        launch_env(cluster),
+    )
+    assert reference.proc.returncode == 0, reference.out + reference.err
+
+    launch = start(
+        ["--log-dir", tmp_path / "logs", "--max-restarts", "1", hostfile, "1", *steps,
+         "--checkpoint-dir", tmp_path / "b"],
+        launch_env(cluster),
+    )
+    launch.wait_for_output(r"^node\d: epoch 1/1 step 40/")
+    (victim,) = workers(cluster, "node2")
+    os.kill(victim, signal.SIGKILL)
+    assert launch.wait(120) == 0, launch.out + launch.err
+    assert re.search(r"^node\d: resumed from .* step [1-9]", launch.out, re.M), launch.out
+    expected = torch.load(tmp_path / "a" / "last.pt", weights_only=False)["model"]
+    actual = torch.load(tmp_path / "b" / "last.pt", weights_only=False)["model"]
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+    assert_nothing_left(cluster, launch)
+
+
+def test_shellcheck():
+    if not shutil.which("shellcheck"):
+        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
+            pytest.fail("shellcheck not installed (REQUIRE_CLUSTER_TESTS=1)")
+        pytest.skip("shellcheck not installed")
+    scripts = [p for p in (REPO / "launch.sh", REPO / "setup_ssh.sh") if p.exists()]
+    result = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout

@@ -1,0 +1,85 @@
+"""setup_ssh.sh against simulated hosts that start with password login only."""
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cluster import cluster_fixture
+
+REPO = Path(__file__).resolve().parent.parent
+SETUP = REPO / "setup_ssh.sh"
+PASSWORD = secrets.token_urlsafe(12)
+
+cluster = cluster_fixture(n_hosts=2, password=PASSWORD, authorize=False, known_hosts=False)
+
+
+def setup_ssh(cluster, *args, **env):
+    """Run setup_ssh.sh with no terminal (so it can never prompt)."""
+    return subprocess.run(
+        [SETUP, *map(str, args)], env=cluster.env(**env), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60, start_new_session=True,
+    )
+
+
+def batch_login(cluster, host, key):
+    return subprocess.run(
+        [*cluster.ssh_command.split(), "-i", key, "-o", "BatchMode=yes", host, "true"],
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+    ).returncode
+
+
+def state(cluster, key):
+    """Everything setup_ssh.sh may write: key pair, known_hosts, authorized_keys."""
+    files = [key, Path(f"{key}.pub"), cluster.known_hosts]
+    files += [cluster.host(h).dir / "home/.ssh/authorized_keys" for h in cluster.hosts]
+    return {f: (f.read_bytes(), f.stat().st_mtime_ns) if f.exists() else None for f in files}
+
+
+def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
+    if not shutil.which("sshpass"):
+        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
+            pytest.fail("sshpass not installed (REQUIRE_CLUSTER_TESTS=1)")
+        pytest.skip("sshpass not installed")
+    key = tmp_path / "keys" / "id_ed25519"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost  # skipped: runs without SSH\n" + "".join(f"{h}\n" for h in cluster.hosts))
+    assert all(batch_login(cluster, h, cluster.key) != 0 for h in cluster.hosts)
+
+    first = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "localhost" not in first.stdout
+    for host in cluster.hosts:
+        assert re.search(rf"^{host} +ok$", first.stdout, re.M), first.stdout
+        assert batch_login(cluster, host, key) == 0
+        ssh_dir = cluster.host(host).dir / "home/.ssh"
+        assert (ssh_dir.stat().st_mode & 0o777, (ssh_dir / "authorized_keys").stat().st_mode & 0o777) == (0o700, 0o600)
+        assert (ssh_dir / "authorized_keys").read_text() == Path(f"{key}.pub").read_text()
+    known = cluster.known_hosts.read_text()
+    assert all(cluster.address(h) in known for h in cluster.hosts), known
+
+    before = state(cluster, key)
+    second = setup_ssh(cluster, "--key", key, hostfile)  # no password needed now
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.stdout == first.stdout and second.stderr == ""
+    assert state(cluster, key) == before
+
+
+def test_reports_hosts_where_login_fails(cluster, tmp_path):
+    key = tmp_path / "id_ed25519"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[0]}\n")
+    result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS="wrong password")
+    assert result.returncode == 1
+    assert re.search(rf"^{cluster.hosts[0]} +FAILED: .*Permission denied", result.stdout, re.M), result.stdout
+    assert batch_login(cluster, cluster.hosts[0], key) != 0
+
+
+def test_never_disables_host_key_checking():
+    for script in ("setup_ssh.sh", "launch.sh"):
+        text = (REPO / script).read_text()
+        assert not re.search(r"StrictHostKeyChecking[= ]*no\b", text, re.I)
