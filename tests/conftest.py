@@ -14,7 +14,7 @@ TRAIN = REPO / "train.py"
 
 
 def run(cmd, timeout=120, **kwargs):
-    """Run cmd in its own process group; on timeout kill the whole group and fail the test,
+    """Run cmd in its own process group; on timeout stop the whole group and fail the test,
     so a hang (torchrun and all of its workers) never outlives the test."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -22,8 +22,12 @@ def run(cmd, timeout=120, **kwargs):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)  # launchers stop their remote nodes on SIGTERM
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {cmd}\n{out}\n{err}")
     finally:
         try:  # leave no stray worker behind, even when the launcher exited first

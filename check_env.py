@@ -1,0 +1,771 @@
+#!/usr/bin/env python3
+"""Check that hosts can run a multi-node PyTorch job together, before you launch one.
+
+  python check_env.py                            report on this machine
+  python check_env.py --json                     the same report as JSON
+  python check_env.py --hosts hosts.txt          compare every host in hosts.txt
+  python check_env.py --hosts hosts.txt --nproc 4
+                                                 ... and check each host has 4 GPUs
+  python check_env.py --hosts hosts.txt --allreduce
+                                                 ... then time all-reduce across them
+
+Remote hosts are reached with SSH_COMMAND (default "ssh", split on spaces like
+git's GIT_SSH_COMMAND) in BatchMode. The report runs there by streaming this
+file to the remote interpreter, so nothing needs to be installed on the hosts.
+--allreduce is the exception: torchrun needs a file, so it needs check_env.py
+at the same absolute path on every host (a shared filesystem or the same image).
+
+hosts.txt holds one "[user@]host[:port]" per line; "#" starts a comment.
+"localhost" and this machine's own name or address are checked without SSH.
+
+Exit status: 0 when the hosts match, 1 when a problem was found (each one is
+printed on its own line), 2 for a usage error such as a malformed hosts file.
+
+Needs Python 3.10+ and the standard library; torch is imported only inside the
+report, so a host without torch is reported, not crashed on.
+"""
+
+import argparse
+import ipaddress
+import json
+import os
+import platform
+import re
+import secrets
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
+REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
+
+# All-reduce benchmark. Every wait is bounded so that a node that cannot reach
+# the others ends the run with a message instead of hanging it.
+ALLREDUCE_SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as nccl-tests' -b 1K -e 64M -f 4
+ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
+RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store after this
+RDZV_JOIN_TIMEOUT_S = 30  # ... and waiting for the other nodes to join after this
+COLLECTIVE_TIMEOUT_S = 30  # init_process_group: a lost peer fails the collective
+ALLREDUCE_DEADLINE_S = 90  # the whole run, start-up included; then every node is stopped
+RESULT_MARKER = "CHECK_ENV_ALLREDUCE "  # prefixes rank 0's result line in the torchrun output
+
+ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_")
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
+
+# Linux ioctls that return an interface's IPv4 address and netmask (<linux/sockios.h>).
+SIOCGIFADDR = 0x8915
+SIOCGIFNETMASK = 0x891B
+
+
+# --------------------------------------------------------------------------
+# The report on one machine. This part also runs on remote hosts, streamed
+# through ssh, so it must not assume torch, a GPU or anything but the stdlib.
+# --------------------------------------------------------------------------
+
+
+def gather_report():
+    """Everything about this machine that decides whether it can join a job.
+
+    A value that cannot be had is None, with the reason in report["why_missing"].
+    """
+    why_missing = {}
+    return {
+        "hostname": socket.gethostname(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        **torch_facts(why_missing),
+        "driver": nvidia_driver_version(why_missing),
+        "interfaces": ipv4_interfaces(why_missing),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
+        "why_missing": why_missing,
+    }
+
+
+def torch_facts(why_missing):
+    """Versions, backends and GPUs as torch sees them; None where torch cannot tell."""
+    facts = dict.fromkeys(["torch", "torchvision", "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available"])
+    facts["gpus"] = []
+    try:
+        # Imported here, not at the top: a host without torch must still report.
+        import torch
+        import torch.distributed as dist
+    except Exception as exc:  # not only ImportError: a broken install can raise anything
+        why_missing.update(dict.fromkeys(facts, "no torch"), torch=f"does not import: {describe(exc)}")
+        return facts
+    facts["torch"] = torch.__version__
+    facts["cuda_runtime"] = torch.version.cuda
+    if facts["cuda_runtime"] is None:
+        why_missing["cuda_runtime"] = "CPU-only torch build"
+    cudnn = torch.backends.cudnn.version()
+    facts["cudnn"] = cudnn_version_string(cudnn) if cudnn else None
+    if cudnn is None:
+        why_missing["cudnn"] = "torch has no cuDNN"
+    try:
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # CPU-only builds have no NCCL to ask
+        why_missing["nccl"] = describe(exc)
+    facts["gloo_available"] = dist.is_available() and dist.is_gloo_available()
+    facts["nccl_available"] = dist.is_available() and dist.is_nccl_available()
+    # device_count() is 0, not an error, without a GPU or with CUDA_VISIBLE_DEVICES="".
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        facts["gpus"].append(
+            {
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+            }
+        )
+    try:
+        import torchvision
+
+        facts["torchvision"] = torchvision.__version__
+    except Exception as exc:
+        why_missing["torchvision"] = f"torchvision does not import: {describe(exc)}"
+    return facts
+
+
+def cudnn_version_string(number):
+    """92400 -> "9.24.0". cuDNN 9 encodes its version as M*10000+m*100+p, cuDNN 8 as M*1000+m*100+p."""
+    major, rest = divmod(number, 10000 if number >= 90000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def nvidia_driver_version(why_missing):
+    """The kernel driver's version; torch does not expose it, the kernel module does."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        why_missing["driver"] = "no NVIDIA driver loaded"
+        return None
+    match = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", text)
+    if match is None:
+        why_missing["driver"] = "unrecognised /proc/driver/nvidia/version"
+        return None
+    return match.group(1)
+
+
+def ipv4_interfaces(why_missing):
+    """[{"name": "eth0", "ipv4": "10.0.0.5/24"}, ...], with the prefix, for the subnet check.
+
+    Uses ioctls rather than `ip addr`, so it needs nothing beyond Python on the host.
+    """
+    try:
+        import fcntl
+
+        interfaces = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    address = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, request)[20:24]
+                    netmask = fcntl.ioctl(sock.fileno(), SIOCGIFNETMASK, request)[20:24]
+                except OSError:  # the interface has no IPv4 address
+                    continue
+                network = ipaddress.IPv4Interface(f"{socket.inet_ntoa(address)}/{socket.inet_ntoa(netmask)}")
+                interfaces.append({"name": name, "ipv4": str(network)})
+        return interfaces
+    except (ImportError, OSError) as exc:  # not Linux
+        why_missing["interfaces"] = f"cannot list interfaces: {describe(exc)}"
+        return None
+
+
+def describe(exc):
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------
+# Presenting reports: one column per host, one row per field.
+# --------------------------------------------------------------------------
+
+
+def show_gpus(report):
+    gpus = report.get("gpus") or []
+    return [f"{len(gpus)}"] + [f"{g['name']}, {g['memory_gib']} GiB, cc {g['capability']}" for g in gpus]
+
+
+def show_backends(report):
+    available = [name for name in ("gloo", "nccl") if report.get(f"{name}_available")]
+    return ", ".join(available) if available else None
+
+
+# (label, key, how to show it, whether a difference between hosts is marked).
+# Hostnames and addresses differ by nature, so marking them would be noise.
+ROWS = [
+    ("hostname", "hostname", None, False),
+    ("os", "os", None, True),
+    ("python", "python", None, True),
+    ("interpreter", "python_executable", None, True),
+    ("torch", "torch", None, True),
+    ("torchvision", "torchvision", None, True),
+    ("CUDA runtime", "cuda_runtime", None, True),
+    ("cuDNN", "cudnn", None, True),
+    ("NCCL", "nccl", None, True),
+    ("backends", "gloo_available", show_backends, True),
+    ("GPUs", "gpus", show_gpus, True),
+    ("driver", "driver", None, True),
+    ("interfaces", "interfaces", lambda r: [f"{i['name']} {i['ipv4']}" for i in r["interfaces"]], False),
+    ("env", "env", lambda r: [f"{k}={v}" for k, v in r["env"].items()] or ["(none set)"], True),
+]
+
+
+def cell(report, key, show):
+    """The lines one report shows for one field."""
+    if "error" in report:
+        return ["-"]
+    value = report.get(key)
+    if value is not None and show is not None:
+        value = show(report)
+    if value is None:
+        reason = report.get("why_missing", {}).get(key)
+        return [f"missing ({reason})" if reason else "missing"]
+    return value if isinstance(value, list) else [str(value)]
+
+
+def format_report(report):
+    width = max(len(label) for label, *_ in ROWS)
+    lines = []
+    for label, key, show, _ in ROWS:
+        values = cell(report, key, show)
+        lines.append(f"{label:<{width}}  {values[0]}")
+        lines.extend(f"{'':<{width}}  {value}" for value in values[1:])
+    return "\n".join(lines)
+
+
+def format_table(labels, reports):
+    """Hosts as columns, fields as rows; '*' marks a row whose values differ."""
+    status = [["error: " + r["error"]] if "error" in r else ["ok"] for r in reports]
+    rows = [("status", status, False)]
+    for label, key, show, marked in ROWS:
+        cells = [cell(r, key, show) for r in reports]
+        reachable = [c for c, r in zip(cells, reports) if "error" not in r]
+        rows.append((label, cells, marked and any(c != reachable[0] for c in reachable)))
+    label_width = 2 + max(len(label) for label, *_ in rows)
+    widths = [max(len(line) for _, cells, _ in rows for line in cells[i]) for i in range(len(reports))]
+    widths = [max(w, len(label)) for w, label in zip(widths, labels)]
+
+    def line(first, columns):
+        return "  ".join([f"{first:<{label_width}}"] + [f"{c:<{w}}" for c, w in zip(columns, widths)]).rstrip()
+
+    out = [line("", labels), line("", ["-" * w for w in widths])]
+    for label, cells, differs in rows:
+        for n in range(max(len(c) for c in cells)):
+            first = ("* " if differs else "  ") + label if n == 0 else ""
+            out.append(line(first, [c[n] if n < len(c) else "" for c in cells]))
+    if any(differs for *_, differs in rows):
+        out.append("(* = differs between hosts)")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+# Comparing hosts.
+# --------------------------------------------------------------------------
+
+
+def major_minor(version):
+    return ".".join(version.split(".")[:2])
+
+
+# What must be equal on every host for a job to start: a mismatch here hangs
+# init or fails with a cryptic NCCL or unpickling error.
+MUST_MATCH = [
+    ("python", "python", major_minor),
+    ("torch", "torch", str),
+    ("torchvision", "torchvision", str),
+    ("CUDA runtime", "cuda_runtime", str),
+    ("NCCL", "nccl", str),
+]
+
+
+def common_subnet(first, other):
+    """(first's address, other's address) on a non-loopback subnet they share, or None."""
+    for mine in first.get("interfaces") or []:
+        for theirs in other.get("interfaces") or []:
+            a, b = ipaddress.IPv4Interface(mine["ipv4"]), ipaddress.IPv4Interface(theirs["ipv4"])
+            if not a.is_loopback and (a.ip in b.network or b.ip in a.network):
+                return str(a.ip), str(b.ip)
+    return None
+
+
+def find_problems(labels, reports, nproc=None):
+    """One line per problem, host by host. The first reachable host with torch is the reference."""
+    usable = [(label, r) for label, r in zip(labels, reports) if "error" not in r and r["torch"] is not None]
+    ref_label, ref = usable[0] if usable else (None, None)
+    uses_gpus = any(r["gpus"] for _, r in usable)
+    problems = []
+    for label, report in zip(labels, reports):
+        if "error" in report:
+            problems.append(f"{label}: {report['error']}")
+        elif report["torch"] is None:
+            why = report["why_missing"]["torch"]
+            problems.append(f"{label}: torch {why} (interpreter {report['python_executable']})")
+        else:
+            problems += gpu_shortage(label, report, nproc, uses_gpus)
+            if label != ref_label:
+                problems += differences(label, report, ref_label, ref)
+    return problems
+
+
+def gpu_shortage(label, report, nproc, uses_gpus):
+    """With GPUs in the job, every host needs one per process; without, any --nproc runs on CPU."""
+    count = len(report["gpus"])
+    if not uses_gpus or count >= (nproc or 1):
+        return []
+    if nproc is None:
+        return [f"{label}: no GPU visible, but other hosts have GPUs (nccl and gloo do not mix)"]
+    return [f"{label}: --nproc {nproc} but only {count} GPU(s) visible"]
+
+
+def differences(label, report, ref_label, ref):
+    """How report differs from the reference in what must match, and whether they share a subnet."""
+    found = []
+    for name, key, normalise in MUST_MATCH:
+        mine, theirs = [("missing" if v is None else normalise(v)) for v in (report[key], ref[key])]
+        if mine != theirs:
+            found.append(f"{label}: {name} {mine} differs from {ref_label} ({theirs})")
+    if common_subnet(ref, report) is None:
+        found.append(
+            f"{label}: no IPv4 interface in a common subnet with {ref_label} "
+            f"({label}: {addresses(report)}; {ref_label}: {addresses(ref)}); "
+            "check routing and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"
+        )
+    return found
+
+
+def addresses(report):
+    return ", ".join(f"{i['name']} {i['ipv4']}" for i in report.get("interfaces") or []) or "none"
+
+
+# --------------------------------------------------------------------------
+# hosts.txt and running commands on hosts.
+# --------------------------------------------------------------------------
+
+# [user@]host[:port], the same rule as launch.sh's. Nothing may start with "-"
+# (ssh would read an option) and no shell metacharacter can pass: a hosts file
+# must never be able to run a command.
+HOST_RE = re.compile(
+    r"(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9._-]*)@)?(?P<name>[A-Za-z0-9_][A-Za-z0-9._-]*)(?::(?P<port>[0-9]{1,5}))?"
+)
+
+
+class UsageError(Exception):
+    """A mistake in the command line or hosts file: one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Host:
+    entry: str  # as written in hosts.txt, used as the label
+    user: str | None
+    name: str
+    port: str | None
+    is_local: bool
+
+    @property
+    def target(self):
+        return f"{self.user}@{self.name}" if self.user else self.name
+
+
+def read_hosts(path):
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read hosts file: {exc}") from None
+    local_names = this_machine_names()
+    hosts, seen = [], {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        match = HOST_RE.fullmatch(entry)
+        if match is None or (match["port"] and not 0 < int(match["port"]) < 65536):
+            raise UsageError(f"{path}:{number}: invalid host {entry!r}; expected [user@]host[:port]")
+        key = (match["name"].lower(), match["port"] or "22")  # hostnames ignore case
+        if key in seen:
+            raise UsageError(f"{path}:{number}: duplicate host {entry!r} (also on line {seen[key]})")
+        seen[key] = number
+        # A user or port says "go through ssh", e.g. to a container's sshd on this machine.
+        name = match["name"].lower()
+        is_local = (name in local_names or name.startswith("127.")) and not match["user"] and not match["port"]
+        hosts.append(Host(entry, match["user"], match["name"], match["port"], is_local))
+    if not hosts:
+        raise UsageError(f"{path}: no hosts listed")
+    return hosts
+
+
+def this_machine_names():
+    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    names.update(i["ipv4"].split("/")[0] for i in ipv4_interfaces({}) or [])
+    return names
+
+
+def host_command(host, argv, tty=False):
+    """The command line that runs argv on host: argv itself here, otherwise SSH_COMMAND with it."""
+    if host.is_local:
+        return argv
+    ssh = os.environ.get("SSH_COMMAND", "ssh").split()
+    options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
+    if host.port:
+        options += ["-p", host.port]
+    if tty:
+        options.append("-tt")
+    return [*ssh, *options, "--", host.target, "exec " + shlex.join(argv)]
+
+
+def run_on_host(host, argv, stdin=b"", timeout=REPORT_TIMEOUT_S):
+    """(exit status, stdout, error text); the status is None when it could not run at all."""
+    try:
+        proc = subprocess.run(host_command(host, argv), input=stdin, capture_output=True, timeout=timeout)
+    except FileNotFoundError as exc:
+        return None, "", f"cannot run {exc.filename}: not found"
+    except subprocess.TimeoutExpired:
+        return None, "", f"no answer within {timeout} s"
+    return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+
+
+def failure(host, python, status, stderr):
+    """Why a command on host failed, in the words a user needs to fix it."""
+    last_line = (stderr.strip().splitlines() or [""])[-1]
+    if status is None:
+        return last_line
+    if status == 255 and not host.is_local:  # ssh's own failure, not the command's
+        return f"unreachable: {last_line}"
+    if status == 127:
+        return f"{python} not found (use --python)"
+    return f"{python} failed with exit status {status}: {last_line}"
+
+
+def fetch_report(host, python):
+    """host's report, gathered by streaming this file to python there."""
+    status, stdout, stderr = run_on_host(host, [python, "-", "--json"], stdin=Path(__file__).read_bytes())
+    # The last JSON line: a login script may have printed something before it.
+    json_lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if status != 0 or not json_lines:
+        return {"error": failure(host, python, status, stderr)}
+    return json.loads(json_lines[-1])
+
+
+def fetch_reports(hosts, python):
+    return on_every_host(hosts, lambda host: fetch_report(host, python))
+
+
+def on_every_host(hosts, function):
+    """[function(host) for host in hosts], run in parallel: one slow host must not add up."""
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return list(pool.map(function, hosts))
+
+
+# --------------------------------------------------------------------------
+# All-reduce benchmark: torchrun on every host, each joining a c10d rendezvous
+# on the first host. Started here rather than through launch.sh because the
+# reports already give each node the address to use (the common subnet), and
+# every timeout below must be set for the run to end in seconds.
+# --------------------------------------------------------------------------
+
+
+def allreduce_worker():
+    """The benchmark body, run by torchrun on every rank (--allreduce-worker)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if backend == "nccl" else None,  # binds NCCL to this rank's GPU
+    )
+    try:
+        rows = [time_allreduce(size, device, rank, world) for size in ALLREDUCE_SIZES]
+        if rank == 0:
+            result = {"backend": backend, "world_size": world, "rows": rows}
+            print(RESULT_MARKER + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_allreduce(size, device, rank, world):
+    import torch
+    import torch.distributed as dist
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    x = torch.empty(size // 4, dtype=torch.float32, device=device)
+    # The first call warms up and checks the sum, like nccl-tests' #wrong column.
+    x.fill_(rank + 1)
+    dist.all_reduce(x)
+    correct = bool((x == world * (world + 1) / 2).all())
+    x.zero_()  # zeros stay zeros: no overflow to inf while timing
+    iterations = max(3, min(20, ALLREDUCE_BYTES_PER_SIZE // size))
+    synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(x)
+    synchronize()
+    # The slowest rank's time is the collective's time.
+    seconds = torch.tensor([(time.perf_counter() - start) / iterations], device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return {"bytes": size, "seconds": seconds.item(), "correct": correct}
+
+
+def format_allreduce(result, nodes):
+    world = result["world_size"]
+    lines = [
+        f"all-reduce, float32 sum, {result['backend']}, {nodes} node(s), {world} ranks",
+        f"{'size':>9} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check",
+    ]
+    busbws = []
+    for row in result["rows"]:
+        algbw = row["bytes"] / row["seconds"] / 1e9
+        busbw = algbw * 2 * (world - 1) / world  # what each link carries in a ring all-reduce
+        busbws.append(busbw)
+        size = f"{row['bytes'] // 1024} KiB" if row["bytes"] < 2**20 else f"{row['bytes'] // 2**20} MiB"
+        check = "ok" if row["correct"] else "WRONG SUM"
+        lines.append(f"{size:>9} {row['seconds'] * 1e6:>10.1f} {algbw:>12.3f} {busbw:>12.3f}  {check}")
+    lines.append(f"average busbw: {sum(busbws) / len(busbws):.3f} GB/s")
+    return "\n".join(lines)
+
+
+def rendezvous_plan(hosts, reports):
+    """(rendezvous address, [each node's own address]) on the subnet each shares with the first host."""
+    if len(hosts) == 1:
+        return "127.0.0.1", ["127.0.0.1"]
+    pairs = [common_subnet(reports[0], report) for report in reports[1:]]
+    # find_problems has already refused hosts without a common subnet.
+    return pairs[0][0], [pairs[0][0]] + [theirs for _, theirs in pairs]
+
+
+FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+
+
+def run_allreduce(hosts, reports, python, nproc):
+    """Run the benchmark on every host; (exit status, text to print)."""
+    script = os.path.abspath(__file__)
+    found = on_every_host(hosts, lambda host: run_on_host(host, ["test", "-f", script])[0] == 0)
+    missing = [host.entry for host, there in zip(hosts, found) if not there]
+    if missing:
+        return 1, (
+            f"--allreduce runs {script} through torchrun on every host, so it must be at that path "
+            f"on every host (a shared filesystem or the same image); it is not on: {', '.join(missing)}"
+        )
+    status, port, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT])
+    if status != 0:
+        return 1, f"{hosts[0].entry}: cannot pick a rendezvous port: {failure(hosts[0], python, status, stderr)}"
+    master, local_addrs = rendezvous_plan(hosts, reports)
+    endpoint = f"{master}:{port.strip()}"
+    run_id = secrets.token_hex(4)
+    commands = [
+        [
+            python, "-m", "torch.distributed.run",
+            f"--nnodes={len(hosts)}", f"--nproc-per-node={nproc}", "--max-restarts=0",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=check-env-{run_id}",
+            # is_host: the first node serves the store. torchrun would guess it
+            # from name lookups, which fail where hosts cannot resolve each other.
+            f"--rdzv-conf=read_timeout={RDZV_READ_TIMEOUT_S},join_timeout={RDZV_JOIN_TIMEOUT_S},"
+            f"is_host={str(node == 0).lower()}",
+            f"--local-addr={addr}", script, "--allreduce-worker",
+        ]
+        for node, addr in enumerate(local_addrs)
+    ]  # fmt: skip
+    outputs, failed = run_nodes(hosts, commands)
+    if failed is not None:
+        return 1, explain_node_failure(hosts, failed, outputs, endpoint)
+    for output in outputs:
+        for line in output.splitlines():
+            if line.startswith(RESULT_MARKER):
+                return 0, format_allreduce(json.loads(line[len(RESULT_MARKER) :]), len(hosts))
+    return 1, "all-reduce finished without a result; output of the first host:\n" + tail(outputs[0])
+
+
+def run_nodes(hosts, commands):
+    """Start every node, wait for all; stop them all as soon as one fails.
+
+    Returns (each node's output, index of the first failed node or None). A
+    node that is still running at the deadline counts as failed.
+    """
+    procs = []
+    with ThreadPoolExecutor(max_workers=len(hosts)) as readers:
+        try:
+            for host, argv in zip(hosts, commands):
+                # Remote: -tt gives the remote torchrun a terminal, so that when
+                # this ssh goes (stopped below, or this script killed) it gets
+                # SIGHUP and stops its workers. Local: its own session, so that
+                # stop() can kill it as a group.
+                proc = subprocess.Popen(
+                    host_command(host, argv, tty=True),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                procs.append(proc)
+            outputs = [readers.submit(read_all, proc.stdout) for proc in procs]
+            failed = wait_for_nodes(procs, time.monotonic() + ALLREDUCE_DEADLINE_S)
+        finally:
+            stop(procs)
+        return [output.result() for output in outputs], failed
+
+
+def read_all(stream):
+    return stream.read().decode(errors="replace").replace("\r", "")  # -tt ends lines with \r\n
+
+
+def wait_for_nodes(procs, deadline):
+    """Index of the first node to fail or to outlive the deadline; None when all succeed."""
+    while True:
+        statuses = [proc.poll() for proc in procs]
+        failed = [i for i, status in enumerate(statuses) if status not in (None, 0)]
+        if failed:
+            return failed[0]
+        if None not in statuses:
+            return None
+        if time.monotonic() > deadline:
+            return statuses.index(None)
+        time.sleep(0.1)
+
+
+def stop(procs):
+    """SIGTERM each process group still running, then SIGKILL what is left after 5 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_group(proc, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def kill_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # it has just exited
+        pass
+
+
+def explain_node_failure(hosts, failed, outputs, endpoint):
+    output = outputs[failed]
+    if "RendezvousConnectionError" in output:
+        why = f"cannot reach the rendezvous at {endpoint} (a firewall, or the wrong address?)"
+    elif "RendezvousTimeoutError" in output:
+        why = f"not every node joined the rendezvous at {endpoint} within {RDZV_JOIN_TIMEOUT_S} s"
+    else:
+        why = f"the all-reduce failed or did not finish within {ALLREDUCE_DEADLINE_S} s"
+    # The exception lines say what happened; torchrun's tracebacks around them do not.
+    exceptions = [line for line in output.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+    details = "\n".join(exceptions[-3:]) or tail(output)
+    return f"{hosts[failed].entry}: {why}\n{details}"
+
+
+def tail(text, lines=15):
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print reports (and problems, with --hosts) as JSON")
+    parser.add_argument("--hosts", metavar="FILE", help="compare every host listed in FILE")
+    parser.add_argument(
+        "--nproc", type=positive_int, metavar="N", help="processes per host: with GPUs, each host needs N of them"
+    )
+    parser.add_argument(
+        "--python",
+        metavar="PATH",
+        default=sys.executable,
+        help="interpreter to run on every host, looked up on the remote PATH if not absolute (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--allreduce",
+        action="store_true",
+        help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB)",
+    )
+    # Internal: what torchrun runs on each rank for --allreduce.
+    parser.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if (args.allreduce or args.nproc) and not args.hosts:
+        parser.error("--allreduce and --nproc need --hosts")
+    if args.allreduce and args.json:
+        parser.error("--allreduce prints a table; it cannot be combined with --json")
+    return args
+
+
+def positive_int(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return int(text)
+
+
+def check_hosts(args):
+    hosts = read_hosts(args.hosts)
+    reports = fetch_reports(hosts, args.python)
+    labels = [host.entry for host in hosts]
+    problems = find_problems(labels, reports, args.nproc)
+    if args.json:
+        print(json.dumps({"hosts": dict(zip(labels, reports)), "problems": problems}, indent=2))
+        return 1 if problems else 0
+    print(format_table(labels, reports))
+    print()
+    if problems:
+        print(f"{len(problems)} problem(s):")
+        print("\n".join(problems))
+        if args.allreduce:
+            print("all-reduce skipped: fix the problems above first")
+        return 1
+    print(f"OK: all {len(hosts)} host(s) match on python, torch, torchvision, CUDA runtime and NCCL")
+    if not args.allreduce:
+        return 0
+    nproc = args.nproc or max(1, min(len(r["gpus"]) for r in reports))  # one process per GPU, or 1 on CPU
+    print(f"\nall-reduce: starting torchrun on {len(hosts)} host(s) x {nproc} process(es)...", flush=True)
+    status, text = run_allreduce(hosts, reports, args.python, nproc)
+    print(text)
+    return status
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.allreduce_worker:
+        allreduce_worker()
+        return 0
+    if not args.hosts:
+        report = gather_report()
+        print(json.dumps(report) if args.json else format_report(report))
+        return 0
+    # SIGTERM unwinds like Ctrl-C, so that run_nodes stops every node it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return check_hosts(args)
+    except UsageError as exc:
+        print(f"check_env.py: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""Tests for check_env.py that need no cluster: the local report, the
+comparison logic on synthetic reports, hosts-file validation, the SSH
+command line, node clean-up, and a real all-reduce on this machine."""
+
+import copy
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run
+
+sys.path.insert(0, str(REPO))
+import check_env  # noqa: E402
+
+
+def run_check_env(args, timeout, env=None):
+    return run([sys.executable, REPO / "check_env.py", *args], timeout=timeout, env=env or {})
+
+
+# --------------------------------------------------------------------------
+# The local report
+# --------------------------------------------------------------------------
+
+REPORT_FIELDS = {
+    "hostname", "os", "python", "python_executable", "torch", "torchvision",
+    "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available",
+    "gpus", "driver", "interfaces", "env", "why_missing",
+}  # fmt: skip
+
+
+def test_local_report_has_every_field(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    report = check_env.gather_report()
+    assert set(report) == REPORT_FIELDS
+    assert report["python_executable"] == sys.executable
+    assert report["torch"] == torch.__version__
+    assert report["gloo_available"] is True
+    assert {"NCCL_DEBUG": "INFO", "MASTER_PORT": "1234"}.items() <= report["env"].items()
+    assert {"name": "lo", "ipv4": "127.0.0.1/8"} in report["interfaces"]
+    assert len(report["gpus"]) == torch.cuda.device_count()
+    # Every value torch could not give comes with a reason.
+    assert all(key in report["why_missing"] for key, value in report.items() if value is None)
+    text = check_env.format_report(report)
+    for label in ("hostname", "python", "torch", "NCCL", "GPUs", "interfaces", "env"):
+        assert f"\n{label} " in "\n" + text
+
+
+def test_json_report_with_every_gpu_hidden():
+    # A fresh process: CUDA reads CUDA_VISIBLE_DEVICES once, when it starts.
+    result = run_check_env(["--json"], timeout=60, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == REPORT_FIELDS
+    assert report["gpus"] == []
+    assert report["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_report_without_torch_says_missing(monkeypatch):
+    # None in sys.modules makes `import torch` raise ImportError.
+    monkeypatch.setitem(sys.modules, "torch", None)
+    report = check_env.gather_report()
+    assert report["torch"] is None and report["gpus"] == []
+    assert "does not import" in report["why_missing"]["torch"]
+    assert "missing (no torch)" in check_env.format_report(report)
+
+
+def test_report_without_torchvision_says_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    report = check_env.gather_report()
+    assert report["torch"] is not None and report["torchvision"] is None
+    assert "torchvision does not import" in report["why_missing"]["torchvision"]
+
+
+def test_help_explains_the_options():
+    result = run_check_env(["--help"], timeout=30)
+    assert result.returncode == 0
+    for text in ("--hosts", "--nproc", "--python", "--allreduce", "SSH_COMMAND", "Exit status"):
+        assert text in result.stdout
+
+
+def test_cudnn_version_is_readable():
+    assert check_env.cudnn_version_string(92400) == "9.24.0"
+    assert check_env.cudnn_version_string(8902) == "8.9.2"
+
+
+# --------------------------------------------------------------------------
+# Comparing synthetic reports
+# --------------------------------------------------------------------------
+
+BASE = {
+    "hostname": "a",
+    "os": "Linux",
+    "python": "3.11.7",
+    "python_executable": "/opt/py/bin/python",
+    "torch": "2.14.1+cu130",
+    "torchvision": "0.29.1+cu130",
+    "cuda_runtime": "13.0",
+    "cudnn": "9.24.0",
+    "nccl": "2.30.7",
+    "gloo_available": True,
+    "nccl_available": True,
+    "gpus": [],
+    "driver": None,
+    "interfaces": [{"name": "lo", "ipv4": "127.0.0.1/8"}, {"name": "eth0", "ipv4": "10.0.0.1/24"}],
+    "env": {},
+    "why_missing": {"driver": "no NVIDIA driver loaded"},
+}
+
+
+def host_report(name, address, **changes):
+    report = copy.deepcopy(BASE)
+    report["hostname"] = name
+    report["interfaces"][1]["ipv4"] = address
+    report.update(changes)
+    return report
+
+
+def without_torch(name, address):
+    facts = ("torch", "torchvision", "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available")
+    report = host_report(name, address, **dict.fromkeys(facts), python="3.11.2", python_executable="/usr/bin/python3")
+    report["why_missing"] = dict.fromkeys(facts, "no torch")
+    report["why_missing"]["torch"] = "does not import: ModuleNotFoundError: No module named 'torch'"
+    return report
+
+
+def gpus(n):
+    return [{"name": "NVIDIA H100", "memory_gib": 79.1, "capability": "9.0"}] * n
+
+
+LABELS = ["a", "b", "c"]
+
+
+def three_hosts(b=None, c=None):
+    """Three matching hosts, with b and c replaced where given."""
+    return [
+        host_report("a", "10.0.0.1/24"),
+        b or host_report("b", "10.0.0.2/24"),
+        c or host_report("c", "10.0.0.3/24"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "reports, nproc, expected",
+    [
+        (three_hosts(), None, []),
+        (
+            three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.13.0+cu130")),
+            None,
+            ["b: torch 2.13.0+cu130 differs from a (2.14.1+cu130)"],
+        ),
+        (
+            three_hosts(c=host_report("c", "10.0.0.3/24", nccl="2.27.3")),
+            None,
+            ["c: NCCL 2.27.3 differs from a (2.30.7)"],
+        ),
+        (
+            three_hosts(b=host_report("b", "10.0.0.2/24", python="3.12.1", torchvision=None)),
+            None,
+            ["b: python 3.12 differs from a (3.11)", "b: torchvision missing differs from a (0.29.1+cu130)"],
+        ),
+        (
+            three_hosts(c=without_torch("c", "10.0.0.3/24")),
+            None,
+            ["c: torch does not import: ModuleNotFoundError: No module named 'torch' (interpreter /usr/bin/python3)"],
+        ),
+        (
+            three_hosts(b={"error": "unreachable: ssh: connect to host b port 22: No route to host"}),
+            None,
+            ["b: unreachable: ssh: connect to host b port 22: No route to host"],
+        ),
+        (
+            three_hosts(c=host_report("c", "10.0.1.3/24")),
+            None,
+            [
+                "c: no IPv4 interface in a common subnet with a (c: lo 127.0.0.1/8, eth0 10.0.1.3/24; "
+                "a: lo 127.0.0.1/8, eth0 10.0.0.1/24); check routing and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"
+            ],
+        ),
+        (
+            [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [8, 2, 8]), 1)],
+            4,
+            ["b: --nproc 4 but only 2 GPU(s) visible"],
+        ),
+        (
+            [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [1, 1, 0]), 1)],
+            None,
+            ["c: no GPU visible, but other hosts have GPUs (nccl and gloo do not mix)"],
+        ),
+        # Without GPUs the job runs on CPU, where any --nproc is fine.
+        (three_hosts(), 16, []),
+    ],
+    ids=[
+        "match",
+        "torch",
+        "nccl",
+        "python-torchvision",
+        "no-torch",
+        "unreachable",
+        "subnet",
+        "nproc-gpus",
+        "gpu-cpu-mix",
+        "cpu-nproc",
+    ],
+)
+def test_find_problems(reports, nproc, expected):
+    assert check_env.find_problems(LABELS, reports, nproc) == expected
+
+
+def test_unreachable_first_host_compares_against_the_next():
+    reports = three_hosts(c=host_report("c", "10.0.0.3/24", torch="2.13.0"))
+    reports[0] = {"error": "unreachable: timeout"}
+    assert check_env.find_problems(LABELS, reports) == [
+        "a: unreachable: timeout",
+        "c: torch 2.13.0 differs from b (2.14.1+cu130)",
+    ]
+
+
+def check_hosts_with(monkeypatch, capsys, tmp_path, reports, *args):
+    """Run main(--hosts ...) on synthetic reports instead of real hosts."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("a\nb\nc\n")
+    monkeypatch.setattr(check_env, "fetch_reports", lambda hosts, python: reports)
+    status = check_env.main(["--hosts", str(hostfile), *args])
+    return status, capsys.readouterr().out
+
+
+def test_matching_hosts_exit_0(monkeypatch, capsys, tmp_path):
+    status, out = check_hosts_with(monkeypatch, capsys, tmp_path, three_hosts())
+    assert status == 0
+    assert "OK: all 3 host(s) match" in out
+
+
+def test_mismatch_exits_1_with_one_line_per_problem_and_marks_the_table(monkeypatch, capsys, tmp_path):
+    reports = three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.13.0"), c=without_torch("c", "10.0.0.3/24"))
+    status, out = check_hosts_with(monkeypatch, capsys, tmp_path, reports)
+    assert status == 1
+    assert "2 problem(s):\nb: torch 2.13.0 differs from a (2.14.1+cu130)\nc: torch does not import" in out
+    table = out.splitlines()
+    header = table[0].split()
+    assert header == ["a", "b", "c"]
+    assert any(line.startswith("* torch ") for line in table)
+    assert any(line.startswith("  hostname ") for line in table)  # differs by nature: not marked
+
+
+def test_json_output_has_reports_and_problems(monkeypatch, capsys, tmp_path):
+    reports = three_hosts(c=host_report("c", "10.0.0.3/24", nccl="2.27.3"))
+    status, out = check_hosts_with(monkeypatch, capsys, tmp_path, reports, "--json")
+    assert status == 1
+    data = json.loads(out)
+    assert list(data["hosts"]) == LABELS
+    assert data["problems"] == ["c: NCCL 2.27.3 differs from a (2.30.7)"]
+
+
+# --------------------------------------------------------------------------
+# hosts.txt and the SSH command line
+# --------------------------------------------------------------------------
+
+
+def test_read_hosts_accepts_the_documented_format(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(
+        "# the first host serves the rendezvous\nlocalhost\n\n  gpu-01.example.org  # comment\nme@10.0.0.2:2222\n"
+    )
+    hosts = check_env.read_hosts(hostfile)
+    assert [(h.entry, h.user, h.name, h.port, h.is_local) for h in hosts] == [
+        ("localhost", None, "localhost", None, True),
+        ("gpu-01.example.org", None, "gpu-01.example.org", None, False),
+        ("me@10.0.0.2:2222", "me", "10.0.0.2", "2222", False),
+    ]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("node1\nnode2; touch /tmp/pwned\n", "invalid host 'node2; touch /tmp/pwned'"),
+        ("$(reboot)\n", "invalid host '$(reboot)'"),
+        ("`id`\n", "invalid host '`id`'"),
+        ("-oProxyCommand=sh\n", "invalid host '-oProxyCommand=sh'"),
+        ("node1:99999\n", "invalid host 'node1:99999'"),
+        ("node1\nNODE1\n", "duplicate host 'NODE1' (also on line 1)"),
+        ("# only a comment\n\n", "no hosts listed"),
+    ],
+)
+def test_bad_hosts_file_is_one_line_and_exit_2_before_anything_runs(monkeypatch, capsys, tmp_path, content, message):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(content)
+    monkeypatch.setattr(check_env, "fetch_reports", lambda *a: pytest.fail("contacted hosts despite a bad hosts file"))
+    assert check_env.main(["--hosts", str(hostfile)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_hosts_file_is_exit_2(capsys, tmp_path):
+    assert check_env.main(["--hosts", str(tmp_path / "nope.txt")]) == 2
+    assert "cannot read hosts file" in capsys.readouterr().err
+
+
+def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypatch):
+    monkeypatch.setenv("SSH_COMMAND", "ssh -F ./cluster_ssh_config")
+    host = check_env.Host("me@node2:2222", "me", "node2", "2222", False)
+    argv = check_env.host_command(host, ["/opt/my python/bin/python", "-", "--json"])
+    assert argv == [
+        "ssh", "-F", "./cluster_ssh_config", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+        "-p", "2222", "--", "me@node2", "exec '/opt/my python/bin/python' - --json",
+    ]  # fmt: skip
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    assert check_env.host_command(local, ["python", "-"]) == ["python", "-"]
+
+
+def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    result = run_check_env(["--hosts", str(hostfile), "--python", str(tmp_path / "no-python")], timeout=30)
+    assert result.returncode == 1
+    assert f"localhost: cannot run {tmp_path / 'no-python'}: not found" in result.stdout
+
+
+# --------------------------------------------------------------------------
+# All-reduce
+# --------------------------------------------------------------------------
+
+
+def test_run_nodes_stops_the_others_when_one_fails():
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    start = time.monotonic()
+    outputs, failed = check_env.run_nodes([local, local], [["sleep", "60"], ["sh", "-c", "echo boom; exit 3"]])
+    assert failed == 1 and outputs[1] == "boom\n"
+    assert time.monotonic() - start < 10
+
+
+def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
+    monkeypatch.setattr(check_env, "ALLREDUCE_DEADLINE_S", 1)
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    start = time.monotonic()
+    outputs, failed = check_env.run_nodes([local], [["sh", "-c", "sleep 60 & echo $!; wait"]])
+    assert failed == 0
+    assert time.monotonic() - start < 10
+    # The whole group goes, not only its leader: the background sleep too.
+    assert not is_running(int(outputs[0]))
+
+
+def is_running(pid):
+    """Whether pid exists and is not a zombie waiting for its new parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+ALLREDUCE_SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
+
+
+def test_allreduce_on_localhost_with_two_processes(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    result = run_check_env(["--hosts", str(hostfile), "--nproc", "2", "--allreduce"], timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all-reduce, float32 sum, gloo, 1 node(s), 2 ranks" in result.stdout
+    rows = allreduce_rows(result.stdout)
+    assert [" ".join(row[:2]) for row in rows] == ALLREDUCE_SIZES
+    for row in rows:
+        assert row[5] == "ok"  # the sum was right
+        time_us, algbw, busbw = map(float, row[2:5])
+        assert time_us > 0 and busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, abs=0.002)
+
+
+def allreduce_rows(stdout):
+    """The benchmark's table rows, split: size, unit, time, algbw, busbw, check."""
+    return [line.split() for line in stdout.splitlines() if re.match(r" *\d+ [KM]iB ", line)]
+
+
+def test_allreduce_says_so_when_check_env_is_not_on_every_host(monkeypatch, tmp_path):
+    # As if this copy of check_env.py lived where the hosts cannot see it.
+    absent = tmp_path / "elsewhere" / "check_env.py"
+    monkeypatch.setattr(check_env, "__file__", str(absent))
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    status, message = check_env.run_allreduce([local], [host_report("a", "10.0.0.1/24")], sys.executable, 1)
+    assert status == 1
+    assert (
+        "must be at that path on every host (a shared filesystem or the same image); it is not on: localhost" in message
+    )
+    assert str(absent) in message

@@ -1,0 +1,139 @@
+"""check_env.py end to end on the simulated cluster (tests/cluster.py): real
+sshd hosts in network namespaces, reached through SSH_COMMAND.
+
+Skips without root, iproute2 or sshd, unless REQUIRE_CLUSTER_TESTS=1."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from cluster import cluster_fixture
+from test_check_env import ALLREDUCE_SIZES, REPO, allreduce_rows, run_check_env
+
+cluster = cluster_fixture(n_hosts=3)
+
+# Debian's python3, which has no torch: what a host finds when its
+# non-interactive shell does not put the job's environment on PATH.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def problem_lines(stdout):
+    """The lines after 'N problem(s):'."""
+    _, _, problems = stdout.partition(" problem(s):\n")
+    return [line for line in problems.splitlines() if not line.startswith("all-reduce skipped")]
+
+
+def test_hosts_gathers_real_reports(cluster, tmp_path):
+    import torch
+
+    # localhost is checked here without ssh, and shares the cluster's subnet through its bridge.
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", *cluster.hosts])
+    result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120, env=cluster.env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = json.loads(result.stdout)["hosts"]
+    assert list(reports) == ["localhost", *cluster.hosts]
+    assert reports.pop("localhost")["hostname"] == socket.gethostname()
+    for name, report in reports.items():
+        assert report["hostname"] == name  # really gathered there, not here
+        assert report["torch"] == torch.__version__
+        assert {"name": "eth0", "ipv4": f"{cluster.address(name)}/24"} in report["interfaces"]
+
+
+@contextmanager
+def shell_path(cluster, tmp_path, hosts):
+    """Make `python3` in hosts' non-interactive SSH shells this test's interpreter.
+
+    As with a venv activated in ~/.bashrc, which bash reads for ssh commands.
+    Every other host finds the system python3.
+    """
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    bashrcs = [cluster.host(name).dir / "home" / ".bashrc" for name in hosts]
+    try:
+        for bashrc in bashrcs:
+            bashrc.write_text(f'export PATH="{bindir}:$PATH"\n')
+        yield bindir / "python3"
+    finally:
+        for bashrc in bashrcs:
+            bashrc.unlink(missing_ok=True)
+
+
+def test_host_whose_shell_finds_another_python_is_a_problem(cluster, tmp_path):
+    if not Path(SYSTEM_PYTHON).exists():
+        pytest.skip(f"{SYSTEM_PYTHON} not installed")
+    if subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True, timeout=60).returncode == 0:
+        pytest.skip(f"{SYSTEM_PYTHON} has torch, so it cannot play the host without torch")
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    with shell_path(cluster, tmp_path, ["node1", "node3"]) as python3:
+        result = run_check_env(["--hosts", str(hostfile), "--python", "python3"], timeout=120, env=cluster.env())
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert problem_lines(result.stdout) == [
+        f"node2: torch does not import: ModuleNotFoundError: No module named 'torch' (interpreter {SYSTEM_PYTHON})"
+    ]
+    interpreter_row = next(line for line in result.stdout.splitlines() if line.startswith("* interpreter"))
+    assert interpreter_row.split()[2:] == [str(python3), SYSTEM_PYTHON, str(python3)]
+
+
+def test_unreachable_host_is_a_problem(cluster, tmp_path):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", cluster.unreachable_address])
+    result = run_check_env(["--hosts", str(hostfile)], timeout=60, env=cluster.env())
+    assert result.returncode == 1
+    [line] = problem_lines(result.stdout)
+    assert line.startswith(f"{cluster.unreachable_address}: unreachable: ssh: connect to host")
+
+
+def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(cluster, tmp_path):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=cluster.env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
+    rows = allreduce_rows(result.stdout)
+    assert [" ".join(row[:2]) for row in rows] == ALLREDUCE_SIZES
+    assert all(row[-1] == "ok" for row in rows) and float(rows[-1][4]) > 0  # busbw of 64 MiB
+    assert cluster.wait_until_idle(10) == {}
+
+
+def test_allreduce_fails_fast_when_a_node_cannot_reach_the_rendezvous(cluster, tmp_path):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    # node2 can still be reached over ssh (from the bridge), but not reach node1.
+    cut = ["ip", "route", "add", "blackhole", f"{cluster.address('node1')}/32"]
+    cluster.run("node2", cut, check=True, timeout=10)
+    try:
+        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=120, env=cluster.env())
+    finally:
+        cluster.run("node2", ["ip", "route", "del", *cut[3:]], check=True, timeout=10)
+    assert result.returncode == 1
+    assert f"node2: cannot reach the rendezvous at {cluster.address('node1')}:" in result.stdout
+    assert cluster.wait_until_idle(10) == {}
+
+
+def test_sigterm_during_allreduce_stops_every_node(cluster, tmp_path):
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "check_env.py"), "--hosts", str(hostfile), "--allreduce"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cluster.env(),
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any("torch.distributed.run" in argv for _, argv in cluster.processes("node2")):
+            assert proc.poll() is None and time.monotonic() < deadline, "torchrun never started on node2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # The remote torchruns got SIGHUP from their closed terminals.
+    assert cluster.wait_until_idle(10) == {}
