@@ -37,6 +37,9 @@
 
 set -euo pipefail
 
+# shellcheck source=lib/hostfile.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hostfile.sh"
+
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
 readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5
   -o ServerAliveInterval=5 -o ServerAliveCountMax=3)
@@ -124,47 +127,6 @@ build_command() {
     cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(quote_words bash -c "$source" launch.sh "$@")")
   fi
-}
-
-is_port() {
-  [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
-}
-
-trim() {
-  local text=$1
-  text=${text#"${text%%[![:space:]]*}"}
-  echo "${text%"${text##*[![:space:]]}"}"
-}
-
-# Fills labels, destinations, ports and local_node from the host file $1.
-read_hostfile() {
-  local file=$1 line n=0 user host port key own_names=() addresses=()
-  local -A seen=()
-  [[ -f $file ]] || die "$file: no such file"
-  own_names=(localhost "$(hostname)")
-  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
-  own_names+=("${addresses[@]}")
-  while IFS= read -r line || [[ -n $line ]]; do
-    n=$((n + 1))
-    line=$(trim "${line%%#*}")
-    [[ -n $line ]] || continue
-    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      die "$file:$n: not a [user@]host[:port]: $line"
-    fi
-    user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
-    [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
-    key="$host:${port:-22}"
-    [[ -z ${seen[$key]:-} ]] || die "$file:$n: duplicate host: $line"
-    seen[$key]=1
-    labels+=("$line")
-    destinations+=("${user:+$user@}$host")
-    ports+=("$port")
-    local_node+=("")
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
-      local_node[-1]=yes
-    fi
-  done <"$file"
-  ((${#labels[@]})) || die "$file: no hosts"
 }
 
 # Fills env_entries with what every host gets in its environment.

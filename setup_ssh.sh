@@ -26,6 +26,9 @@
 
 set -euo pipefail
 
+# shellcheck source=lib/hostfile.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hostfile.sh"
+
 # Runs on each host: reads the public key from stdin and appends it to
 # ~/.ssh/authorized_keys unless it is there already.
 # shellcheck disable=SC2016 # expands there, not here
@@ -42,34 +45,12 @@ die() {
   exit 2
 }
 
-trim() {
-  local text=$1
-  text=${text#"${text%%[![:space:]]*}"}
-  echo "${text%"${text##*[![:space:]]}"}"
-}
-
-# Fills labels, destinations and ports with the remote hosts of file $1.
-read_hostfile() {
-  local file=$1 line n=0 user host port own_names=() addresses=()
-  [[ -f $file ]] || die "$file: no such file"
-  own_names=(localhost "$(hostname)")
-  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
-  own_names+=("${addresses[@]}")
-  while IFS= read -r line || [[ -n $line ]]; do
-    n=$((n + 1))
-    line=$(trim "${line%%#*}")
-    [[ -n $line ]] || continue
-    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      die "$file:$n: not a [user@]host[:port]: $line"
-    fi
-    user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
-      continue
-    fi
-    labels+=("$line")
-    destinations+=("${user:+$user@}$host")
-    ports+=("$port")
-  done <"$file"
+# Keeps only the remote hosts: local ones need no key.
+drop_local_hosts() {
+  local i
+  for i in "${!labels[@]}"; do
+    if [[ -n ${local_node[i]} ]]; then unset 'labels[i]' 'destinations[i]' 'ports[i]'; fi
+  done
 }
 
 create_key() {
@@ -111,7 +92,8 @@ check_login() {
 }
 
 main() {
-  local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() ssh_command=() cmd=()
+  local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
+  local ssh_command=() cmd=()
   local i width=4 result failed=0
   while (($#)); do
     case $1 in
@@ -123,6 +105,7 @@ main() {
   done
   (($# == 1)) || die "usage: setup_ssh.sh [--key PATH] HOSTFILE (see --help)"
   read_hostfile "$1"
+  drop_local_hosts
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
   create_key
 

@@ -388,7 +388,9 @@ def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args,
         after_step(n, loss_sum / samples)
         paused += time.perf_counter() - pause
     totals = all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
-    seconds = time.perf_counter() - start - paused  # after the all-reduce, which waits for the device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA runs ahead of Python: stop the clock when it is done
+    seconds = time.perf_counter() - start - paused
     return (totals[0] / totals[1]).item(), int(totals[1]), seconds
 
 

@@ -404,6 +404,7 @@ def test_shellcheck():
         if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
             pytest.fail("shellcheck not installed (REQUIRE_CLUSTER_TESTS=1)")
         pytest.skip("shellcheck not installed")
-    scripts = [p for p in (REPO / "launch.sh", REPO / "setup_ssh.sh") if p.exists()]
-    result = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, timeout=60)
+    scripts = [REPO / "launch.sh", REPO / "setup_ssh.sh", REPO / "lib" / "hostfile.sh"]
+    result = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout

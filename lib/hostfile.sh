@@ -1,0 +1,52 @@
+# shellcheck shell=bash
+#
+# Reads a hosts file for launch.sh and setup_ssh.sh. Source it; the caller
+# defines die MESSAGE (prints and exits 2).
+#
+# One host per line, [user@]host[:port]; '#' starts a comment. A line with any
+# other character (a shell metacharacter above all) is an error, so no line
+# can ever run a command. localhost and this machine's own name or addresses,
+# written without user or port, are local: they run here without SSH.
+
+trim() {
+  local text=$1
+  text=${text#"${text%%[![:space:]]*}"}
+  echo "${text%"${text##*[![:space:]]}"}"
+}
+
+is_port() {
+  [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
+}
+
+# Appends each host of file $1 to the caller's arrays labels (the line),
+# destinations ([user@]host), ports (may be empty) and local_node ("yes" or
+# empty); dies on a malformed line, a duplicate or an empty file.
+read_hostfile() {
+  local file=$1 line n=0 user host port key own_names=() addresses=()
+  local -A seen=()
+  [[ -f $file ]] || die "$file: no such file"
+  own_names=(localhost "$(hostname)")
+  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
+  own_names+=("${addresses[@]}")
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    line=$(trim "${line%%#*}")
+    [[ -n $line ]] || continue
+    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
+      die "$file:$n: not a [user@]host[:port]: $line"
+    fi
+    user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
+    [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
+    key="${host,,}:${port:-22}" # host names are case-insensitive
+    [[ -z ${seen[$key]:-} ]] || die "$file:$n: duplicate host: $line"
+    seen[$key]=1
+    labels+=("$line")
+    destinations+=("${user:+$user@}$host")
+    ports+=("$port")
+    local_node+=("")
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
+      local_node[-1]=yes
+    fi
+  done <"$file"
+  ((${#labels[@]})) || die "$file: no hosts"
+}
