@@ -334,7 +334,7 @@ def load_checkpoint(path, args, rank, world_size):
     checkpoint, error = None, None
     if rank == 0 and os.path.exists(path):
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
             if not isinstance(checkpoint, dict) or "model" not in checkpoint:
                 raise ValueError("not a train.py checkpoint")
         except Exception as e:  # truncated, corrupt, or not ours: never start over silently

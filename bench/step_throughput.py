@@ -1,0 +1,52 @@
+"""Whole-step throughput: samples/s per process of train.py itself (--arch cnn and resnet18,
+run as a child process and read from its --metrics) against the same step written as in the
+documented pattern (DataLoader with 8 workers + the same model + SGD, fp32). On a GPU,
+train.py also runs with --amp bf16.
+
+One process, the machine's default threads, batch 64. train.py's figure covers its training
+loop, first step included; the pattern's leaves out its first step (worker start-up), which
+favours the pattern. Issue 5 sets no target here: the ratio is for comparison.
+"""
+import argparse
+
+from common import (MNIST_TRAIN_SAMPLES, QUICK_TRAIN_SAMPLES, bench_device, mnist_files,
+                    pattern_samples_per_sec, print_machine, print_table, train_samples_per_sec)
+
+STEPS = {"cnn": 300, "resnet18": 40}  # sized for the whole run to take under 2 minutes on 2 cores
+QUICK_STEPS = {"cnn": 10, "resnet18": 3}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run: {QUICK_STEPS['cnn']} steps of the cnn and "
+                        f"{QUICK_STEPS['resnet18']} of resnet18 (figures not comparable)")
+    args = p.parse_args()
+    steps, train_samples = ((QUICK_STEPS, QUICK_TRAIN_SAMPLES) if args.quick
+                            else (STEPS, MNIST_TRAIN_SAMPLES))
+    device = bench_device()
+    amps = ["none", "bf16"] if device.type == "cuda" else ["none"]
+    print_machine()
+    rows, train_py, pattern = [], {}, {}
+    with mnist_files(train_samples) as root:
+        for arch in steps:
+            for amp in amps:
+                flags = ["--arch", arch, "--amp", amp, "--max-steps", steps[arch]]
+                train_py[arch, amp] = train_samples_per_sec(root, flags)
+                rows.append((f"train.py --arch {arch} --amp {amp}", steps[arch],
+                             f"{train_py[arch, amp]:,.0f}"))
+            pattern[arch] = pattern_samples_per_sec(root, arch, steps[arch], device)
+            rows.append((f"pattern {arch}, fp32", steps[arch], f"{pattern[arch]:,.0f}"))
+    print(f"device {device}; batch 64; one process")
+    print_table(["step", "steps", "samples/s"], rows)
+    if device.type == "cuda":
+        print("bf16 / fp32 (train.py): " +
+              ", ".join(f"{a} {train_py[a, 'bf16'] / train_py[a, 'none']:.2f}x" for a in steps))
+    print("ratio train.py / pattern (fp32): " +
+          ", ".join(f"{a} {train_py[a, 'none'] / pattern[a]:.2f}x" for a in steps) +
+          " (issue 5 sets no target for whole steps)")
+
+
+if __name__ == "__main__":
+    main()
