@@ -88,7 +88,9 @@ run_node() {
     mapfile -t pids < <(job_pids)
     if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
   }
-  LAUNCH_JOB=$job "$@" </dev/null &
+  # One stream: ssh carries stderr on a channel of its own, and the two would
+  # meet again here cut at arbitrary bytes, splitting lines.
+  LAUNCH_JOB=$job "$@" </dev/null 2>&1 &
   torchrun_pid=$!
   while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!

@@ -170,6 +170,22 @@ def test_success_on_three_hosts(cluster, tmp_path, start):
     assert_nothing_left(cluster, launch)
 
 
+def test_output_lines_arrive_whole(cluster, tmp_path, start):
+    # Remote stdout and stderr travel on separate ssh channels; merged only here, they
+    # would cut each other's lines at arbitrary bytes.
+    launch = start(
+        ["--log-dir", tmp_path / "logs",
+         cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2]), "2",
+         "tests/noisy_probe.py"],
+        launch_env(cluster),
+    )
+    assert launch.wait(60) == 0, launch.out + launch.err
+    noisy = [line for line in launch.out.splitlines() if "noisy:" in line]
+    whole = re.compile(r"^node[12]: noisy: rank=[0-3] line=\d+ x{200} end$")
+    assert len(noisy) == 2 * 2 * 2 * 300
+    assert [line for line in noisy if not whole.match(line)] == []
+
+
 def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start):
     secret, torch_secret = "s3cret-from-env-file", "s3cret-from-environment"
     env_file = tmp_path / "env"
