@@ -419,6 +419,18 @@ def evaluate(model, test_x, test_y, args, device, rank, world_size):
 
 # ----------------------------------------------------------------------------- main
 
+def log(line):
+    """Print one line in one write. torchrun runs workers unbuffered (python -u), where
+    print() writes the text and the newline apart, and another process's output sharing
+    the stream can land in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def format_seconds(seconds):
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
 def train(args, rank, local_rank, world_size, device):
     # Fix: the pattern seeded nothing. Adding the rank keeps dropout masks and the like
     # independent across ranks; DDP copies rank 0's initial weights to every rank.
@@ -450,7 +462,7 @@ def train(args, rank, local_rank, world_size, device):
         set_rng_state(checkpoint["rng"][rank], device)
         step = checkpoint["step"]
         if rank == 0:
-            print(f"resumed from {ckpt_path} at step {step}", flush=True)
+            log(f"resumed from {ckpt_path} at step {step}")
 
     ddp_model = wrap_ddp(model, device)
     if args.compile:
@@ -468,11 +480,10 @@ def train(args, rank, local_rank, world_size, device):
         return format_seconds((total_steps - step) * seconds_per_step)
 
     if rank == 0:
-        print(f"start: world_size={world_size} "
-              f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
-              f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
-              f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}",
-              flush=True)
+        log(f"start: world_size={world_size} "
+            f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
+            f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
+            f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}")
     while step < total_steps:
         epoch, done = divmod(step, steps_per_epoch)
         stop = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
@@ -484,8 +495,8 @@ def train(args, rank, local_rank, world_size, device):
             if args.save_every and (first + n) % args.save_every == 0 and first + n < end:
                 save(first + n)  # the epoch's end saves after evaluating
             if args.log_every and (first + n) % args.log_every == 0 and rank == 0:
-                print(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
-                      f"loss(rank 0) {loss.item():.4f} eta {eta(first + n)}", flush=True)
+                log(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
+                    f"loss(rank 0) {loss.item():.4f} eta {eta(first + n)}")
 
         train_loss, samples, seconds = train_one_epoch(
             ddp_model, optimizer, scaler, train_x, train_y, order, args, device, after_step)
@@ -499,18 +510,14 @@ def train(args, rank, local_rank, world_size, device):
                    "train_loss": train_loss, "test_loss": test_loss,
                    "test_accuracy": test_accuracy, "test_samples": test_samples,
                    "samples_per_sec": samples / seconds, "partial": partial}
-            print(f"epoch {epoch + 1}/{args.epochs}{' (partial)' if partial else ''} step {step} "
-                  f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
-                  f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
-                  f"eta {eta(step)}", flush=True)
+            log(f"epoch {epoch + 1}/{args.epochs}{' (partial)' if partial else ''} step {step} "
+                f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
+                f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
+                f"eta {eta(step)}")
             if args.metrics:
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(row) + "\n")
     return model
-
-
-def format_seconds(seconds):
-    return str(datetime.timedelta(seconds=round(seconds)))
 
 
 def main(argv=None):

@@ -1,11 +1,14 @@
 """Stand-in for train.py in launch tests: joins gloo, all-reduces, reports.
 
 Every rank prints its rank, the world size, the sum of all ranks, a few
-environment variables and its --echo argument.
+environment variables and its --echo argument. Each line goes out in one write:
+torchrun runs workers with `python -u`, where print() writes a line in pieces that
+the ranks sharing a node's stdout would interleave.
 """
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -19,13 +22,13 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-print(f"probe: running rank={rank}", flush=True)
+sys.stdout.write(f"probe: running rank={rank}\n")
 for _ in range(args.steps):
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     time.sleep(args.sleep)
 names = ("PROBE_SECRET", "TORCH_PROBE_SECRET", "LAUNCHER_ONLY")
-print(f"probe: rank={rank} world_size={world} sum={int(total.item())} "
-      + " ".join(f"{n}={os.environ.get(n)}" for n in names)
-      + f" echo={args.echo!r}", flush=True)
+sys.stdout.write(f"probe: rank={rank} world_size={world} sum={int(total.item())} "
+                 + " ".join(f"{n}={os.environ.get(n)}" for n in names)
+                 + f" echo={args.echo!r}\n")
 dist.destroy_process_group()
