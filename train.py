@@ -536,3 +536,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    # Done, and the process group destroyed. Skip the interpreter's C++ teardown: with
+    # gloo, torch 2.14 aborts there now and then ("terminate called without an active
+    # exception", about 1 run in 20 at 3 ranks), and torchrun would fail the finished job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
