@@ -218,6 +218,16 @@ def simulated_cluster(n_hosts):
     return cluster.simulated_cluster(n_hosts)
 
 
+def limit_run_time(seconds):
+    """End the run by unwinding (so the simulated cluster is removed) on SIGTERM, and
+    after `seconds` at the latest."""
+    def too_long(*_):
+        raise TimeoutError(f"{Path(sys.argv[0]).name} ran past its own limit of {seconds} s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(seconds)
+
+
 def clock():
     """Seconds on CLOCK_BOOTTIME, the clock that /proc/PID/stat's start times count on."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)

@@ -56,8 +56,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (LONG_TRAIN, REPO, Launched, clock, is_torchrun, is_worker, print_machine,
-                    print_table, proc_stat, session_processes, simulated_cluster, verdict)
+from common import (LONG_TRAIN, REPO, Launched, clock, is_torchrun, is_worker, limit_run_time,
+                    print_machine, print_table, proc_stat, session_processes, simulated_cluster,
+                    verdict)
 
 TARGET = 1.3
 HOSTS, QUICK_HOSTS = (1, 2, 4, 8), (1, 2)
@@ -192,12 +193,7 @@ def main():
                         "line is t(2) / t(1): no t(8))")
     args = p.parse_args()
     host_counts, rounds = (QUICK_HOSTS, QUICK_ROUNDS) if args.quick else (HOSTS, ROUNDS)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster is removed
-
-    def too_long(*_):
-        raise TimeoutError("launch_latency.py ran past its own time limit")
-    signal.signal(signal.SIGALRM, too_long)
-    signal.alarm(150 if args.quick else 420)
+    limit_run_time(150 if args.quick else 420)
 
     cores = len(os.sched_getaffinity(0))
     print_machine()

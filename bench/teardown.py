@@ -22,12 +22,11 @@ import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 
-from common import (LONG_TRAIN, Launched, clock, is_torchrun, is_worker, print_machine, print_table,
-                    session_processes, simulated_cluster, verdict)
+from common import (LONG_TRAIN, Launched, clock, is_torchrun, is_worker, limit_run_time,
+                    print_machine, print_table, session_processes, simulated_cluster, verdict)
 
 TARGETS = {"SIGINT": 3.0, "kill -9": 10.0}
 HOSTS, QUICK_HOSTS = 4, 2
@@ -93,12 +92,7 @@ def main():
                    help=f"a smoke run: {QUICK_HOSTS} hosts, {QUICK_TRIALS} trial of each")
     args = p.parse_args()
     n_hosts, trials = (QUICK_HOSTS, QUICK_TRIALS) if args.quick else (HOSTS, TRIALS)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster is removed
-
-    def too_long(*_):
-        raise TimeoutError("teardown.py ran past its own time limit")
-    signal.signal(signal.SIGALRM, too_long)
-    signal.alarm(150 if args.quick else 420)
+    limit_run_time(150 if args.quick else 420)
 
     print_machine()
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
