@@ -130,6 +130,14 @@ def assert_nothing_left(cluster, launch, timeout=10):
     assert not session_processes(launch.pid)
 
 
+def assert_no_local_job_process(launch):
+    """No process here carries the job's LAUNCH_JOB mark."""
+    marker = f"LAUNCH_JOB={launch.job_id()}/".encode()
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            assert marker not in Path(f"/proc/{entry.name}/environ").read_bytes()
+
+
 def workers(cluster, host):
     """Pids of the training processes (not torchrun) on host."""
     return [
@@ -350,10 +358,26 @@ def test_localhost_runs_without_ssh(tmp_path, start):
     assert re.search(r"^localhost: start: world_size=2 ", launch.out, re.M)
     assert not ssh_called.exists()
     assert (tmp_path / "logs" / launch.job_id() / "localhost.log").read_text()
-    marker = f"LAUNCH_JOB={launch.job_id()}/".encode()
-    for entry in os.scandir("/proc"):
-        with contextlib.suppress(OSError):
-            assert marker not in Path(f"/proc/{entry.name}/environ").read_bytes()
+    assert_no_local_job_process(launch)
+
+
+@pytest.mark.parametrize("hosts", [["localhost", "node1"], ["node1", "localhost"]])
+def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
+    """A local host serves or joins the rendezvous at the address the others see."""
+    launch = run_launch(
+        start,
+        ["--log-dir", tmp_path / "logs", cluster.write_hostfile(tmp_path / "hosts.txt", hosts), "1",
+         *TRAIN, "--epochs", "1", "--max-steps", "4"],
+        launch_env(cluster),
+    )
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    for host in hosts:
+        assert re.search(rf"^{host}: ", launch.out, re.M), f"no line from {host}"
+        assert re.search(rf"^  {host} +0 ", launch.err, re.M), f"{host} not in the summary"
+    assert re.search(r"^(localhost|node1): start: world_size=2 backend=gloo", launch.out, re.M)
+    assert_nothing_left(cluster, launch)
+    assert_no_local_job_process(launch)
+
 
 
 def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
