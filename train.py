@@ -35,6 +35,8 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
 EVAL_BATCH_SIZE = 1024
 # Arguments that fix the training trajectory: a checkpoint only resumes a run that agrees on them.
 TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp"]
+# What save_checkpoint writes; a file without all of it is not a train.py checkpoint.
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 
 
 class UsageError(Exception):
@@ -125,8 +127,10 @@ def setup_distributed(args):
         # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
         device = torch.device("cpu")
     if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
-        # A bounded timeout: a dead peer ends the job instead of hanging it.
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+        # A bounded timeout: a dead peer ends the job instead of hanging it. device_id binds
+        # NCCL to this process's GPU instead of letting it guess one from the global rank.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                                device_id=device if backend == "nccl" else None)
     return rank, local_rank, world_size, device
 
 
@@ -146,6 +150,12 @@ def broadcast_from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_buffers_from_rank0(model):
+    if distributed():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def gather_to_rank0(obj):
@@ -299,7 +309,7 @@ def rng_state(device):
 
 def set_rng_state(state, device):
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda":
+    if device.type == "cuda" and state["cuda"] is not None:  # None: written by a CPU run
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
@@ -335,20 +345,19 @@ def load_checkpoint(path, args, rank, world_size):
     if rank == 0 and os.path.exists(path):
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
-            if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+            if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
                 raise ValueError("not a train.py checkpoint")
+            mismatched = [f"--{k.replace('_', '-')} {checkpoint['args'][k]} (now {getattr(args, k)})"
+                          for k in TRAJECTORY_ARGS if checkpoint["args"][k] != getattr(args, k)]
         except Exception as e:  # truncated, corrupt, or not ours: never start over silently
             error = (f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                      "move it away to start over, or restore a good copy")
-            checkpoint = None
-    if checkpoint is not None:
-        mismatched = [f"--{k.replace('_', '-')} {checkpoint['args'][k]} (now {getattr(args, k)})"
-                      for k in TRAJECTORY_ARGS if checkpoint["args"][k] != getattr(args, k)]
-        if checkpoint["world_size"] != world_size:
-            mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
-        if mismatched:
-            error = (f"checkpoint {path} was written by a run with {', '.join(mismatched)}; "
-                     "exact resume needs the same settings: use them, or another --checkpoint-dir")
+        else:
+            if checkpoint["world_size"] != world_size:
+                mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
+            if mismatched:
+                error = (f"checkpoint {path} was written by a run with {', '.join(mismatched)}; "
+                         "exact resume needs the same settings: use them, or another --checkpoint-dir")
     stop_together(UsageError(error) if error else None)
     return broadcast_from_rank0(checkpoint)
 
@@ -363,8 +372,9 @@ def autocast(args, device):
 def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args, device,
                     after_step):
     """One optimizer step per `accum_steps` micro-batches of `order`, this rank's sample
-    indices for what is left of the epoch. after_step(n, loss) runs after the n-th step,
-    outside the timed part. Returns (mean loss of all ranks, samples of all ranks, seconds)."""
+    indices for what is left of the epoch. after_step(n, loss) runs after the n-th step and
+    returns the seconds it took, which the timing leaves out. Returns (mean loss of all ranks,
+    samples of all ranks, seconds)."""
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     samples, paused = 0, 0.0
     start = time.perf_counter()
@@ -379,14 +389,12 @@ def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args,
                 with autocast(args, device):
                     loss = F.cross_entropy(ddp_model(x), y)
                 scaler.scale(loss / len(micro_batches)).backward()
-            loss_sum += loss.detach() * len(idx)  # no .item(): the loop never waits for the GPU
+            loss_sum += loss.detach() * len(idx)  # no .item(): the loop does not wait for the GPU
             samples += len(idx)
-        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (which waits)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        pause = time.perf_counter()
-        after_step(n, loss_sum / samples)
-        paused += time.perf_counter() - pause
+        paused += after_step(n, loss_sum / samples)
     totals = all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # CUDA runs ahead of Python: stop the clock when it is done
@@ -400,7 +408,10 @@ def evaluate(model, test_x, test_y, args, device, rank, world_size):
     (no padding, so no sample counts twice) and the counts are summed across ranks."""
     # Fix: the pattern never evaluated, so nothing said whether training worked.
     # The unwrapped model: DDP's forward would sync buffers, and ranks may run
-    # different numbers of eval batches.
+    # different numbers of eval batches. DDP gives every rank rank 0's buffers (BatchNorm's
+    # running statistics) before each forward, and each rank then updates its own: take
+    # rank 0's, the ones it saves, so that every rank evaluates the same model.
+    broadcast_buffers_from_rank0(model)
     model.eval()
     mine = torch.arange(rank, len(test_x), world_size, device=device)
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
@@ -492,18 +503,25 @@ def train(args, rank, local_rank, world_size, device):
         end = epoch * steps_per_epoch + stop
 
         def after_step(n, loss, first=step):
-            if args.save_every and (first + n) % args.save_every == 0 and first + n < end:
+            save_now = args.save_every and (first + n) % args.save_every == 0 and first + n < end
+            log_now = args.log_every and (first + n) % args.log_every == 0 and rank == 0
+            if not (save_now or log_now):
+                return 0.0
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the steps queued so far are training time
+            start = time.perf_counter()
+            if save_now:
                 save(first + n)  # the epoch's end saves after evaluating
-            if args.log_every and (first + n) % args.log_every == 0 and rank == 0:
+            if log_now:
                 log(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
                     f"loss(rank 0) {loss.item():.4f} eta {eta(first + n)}")
+            return time.perf_counter() - start
 
         train_loss, samples, seconds = train_one_epoch(
             ddp_model, optimizer, scaler, train_x, train_y, order, args, device, after_step)
         step = end
         test_loss, test_accuracy, test_samples = evaluate(model, test_x, test_y, args, device,
                                                           rank, world_size)
-        save(step)
         if rank == 0:
             partial = stop < steps_per_epoch  # stopped by --max-steps in mid-epoch
             row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
@@ -517,6 +535,7 @@ def train(args, rank, local_rank, world_size, device):
             if args.metrics:
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(row) + "\n")
+        save(step)  # after the metrics row: a crash in between repeats the row, never loses it
     return model
 
 

@@ -32,8 +32,9 @@ def assert_same_tensors(a, b):
     assert not different, f"differ: {different}"
 
 
-def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path):
-    result = torchrun(2, tmp_path, *TINY, "--data", mnist_dir, "--epochs", "2",
+@pytest.mark.parametrize("arch", ["cnn", "resnet18"])  # resnet18: BatchNorm buffers too
+def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path, arch):
+    result = torchrun(2, tmp_path, *TINY, "--arch", arch, "--data", mnist_dir, "--epochs", "2",
                       "--metrics", tmp_path / "m.jsonl", script=REPO / "tests" / "save_every_rank.py")
     assert_ok(result)
     assert_same_tensors(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))
@@ -123,6 +124,10 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
     assert result.returncode == 1
     assert str(ckpt_dir / "last.pt") in result.stderr and "Traceback" not in result.stderr
     assert (ckpt_dir / "last.pt").read_bytes() == good[: len(good) // 2]  # left for the user
+    torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
+    result = run([*args, "--max-steps", "4"])
+    assert result.returncode == 1, result.stderr
+    assert "not a train.py checkpoint" in result.stderr and "Traceback" not in result.stderr
     (ckpt_dir / "last.pt").write_bytes(good)
     result = run([*args, "--max-steps", "4", "--seed", "7"])
     assert result.returncode == 1 and "--seed 0 (now 7)" in result.stderr
