@@ -12,13 +12,19 @@
 # here without SSH. Node ranks come from torchrun's c10d rendezvous and do
 # not necessarily follow line order.
 #
+# First every host is checked, in parallel, within 30 s: SSH, bash 4.3+,
+# the directory, torchrun and the script, and that the address SSH reached
+# it at is one the other hosts can use (not 127.0.0.1, not another host's).
+# If any check fails, nothing starts.
+#
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a
 #                     worker fails (default: 0)
 #   --torchrun PATH   torchrun to run on every host (default: the one on this
 #                     machine's PATH, at the same absolute path)
 #   --workdir DIR     directory to run in on every host (default: this one)
-#   --env-file FILE   KEY=VALUE lines to set on every host
+#   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
+#                     (no $VAR expansion, no quote removal)
 #   --port PORT       rendezvous port on the first host (default: a free one)
 #   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
 #   --dry-run         check the hosts, print each host's command, start nothing
@@ -37,12 +43,13 @@
 
 set -euo pipefail
 
-# shellcheck source=lib/hostfile.sh
-source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hostfile.sh"
+# shellcheck source=lib/hosts.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hosts.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
 readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5
   -o ServerAliveInterval=5 -o ServerAliveCountMax=3)
+readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
@@ -53,10 +60,16 @@ die() {
   exit 2
 }
 
-# Runs on each host: checks the directory, torchrun and script, picks a free
-# port if asked, and prints "ok SSH_CONNECTION PORT" ("-" where unknown).
+# Runs on each host: checks what run_node needs, the directory, torchrun and
+# script, picks a free port if asked, and prints "ok SSH_CONNECTION PORT"
+# ("-" where unknown).
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 want_port=$4 path python port=-
+  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
+    echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
+    return 1
+  fi
+  [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
   cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir"; return 1; }
   path=$(command -v -- "$torchrun") || { echo "fail: no torchrun at $torchrun"; return 1; }
   [[ -f $script ]] || { echo "fail: no $script in $workdir"; return 1; }
@@ -70,16 +83,19 @@ check_node() {
 }
 
 # Runs on each host: reads NUL-separated KEY=VALUE entries from stdin up to
-# an empty one, runs the command marked with LAUNCH_JOB=JOB in its
+# an empty one, runs the command with them and LAUNCH_JOB=JOB in its
 # environment, and when it exits or stdin closes, kills every process that
 # carries the mark (torchrun starts its workers in sessions of their own).
 run_node() {
-  local job=$1 workdir=$2 entry torchrun_pid reader status
+  local job=$1 workdir=$2 entries=() entry torchrun_pid reader status
   shift 2
-  while IFS= read -r -d '' entry && [[ -n $entry ]]; do
-    export "${entry?}"
+  while :; do
+    IFS= read -r -d '' entry || return 143 # launch.sh is gone already
+    [[ -n $entry ]] || break
+    entries+=("$entry")
   done
   cd -- "$workdir" || return 1
+  # Defined in here because only run_node's source travels to the host.
   job_pids() {
     grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
   }
@@ -90,7 +106,9 @@ run_node() {
   }
   # One stream: ssh carries stderr on a channel of its own, and the two would
   # meet again here cut at arbitrary bytes, splitting lines.
-  LAUNCH_JOB=$job "$@" </dev/null 2>&1 &
+  # The entries go to the command only: this shell keeps its own PATH for the
+  # clean-up, whatever an --env-file line sets.
+  env "${entries[@]}" LAUNCH_JOB="$job" "$@" </dev/null 2>&1 &
   torchrun_pid=$!
   while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!
@@ -99,7 +117,7 @@ run_node() {
   if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed: stop the job
     status=143
     signal_job TERM
-    for _ in {1..25}; do
+    for _ in {1..25}; do # 5 s for the job to end on SIGTERM, then SIGKILL
       [[ -n $(job_pids) ]] || break
       sleep 0.2
     done
@@ -107,15 +125,6 @@ run_node() {
   signal_job KILL
   kill "$reader" 2>/dev/null || true
   return "$status"
-}
-
-# Prints its arguments single-quoted for a POSIX shell, space-separated.
-quote_words() {
-  local word quoted=()
-  for word; do
-    quoted+=("'${word//\'/\'\\\'\'}'")
-  done
-  echo "${quoted[*]}"
 }
 
 # Sets cmd to run function $2 with arguments "${@:3}" on host number $1.
@@ -127,7 +136,7 @@ build_command() {
     cmd=(bash -c "$source" launch.sh "$@")
   else
     cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
-      "${destinations[i]}" "$(quote_words bash -c "$source" launch.sh "$@")")
+      "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
   fi
 }
 
@@ -142,49 +151,95 @@ collect_env() {
   [[ -f $env_file ]] || die "$env_file: no such file"
   while IFS= read -r line || [[ -n $line ]]; do
     n=$((n + 1))
+    line=${line%$'\r'} # written on Windows
     [[ $(trim "$line") =~ ^(#|$) ]] && continue
     [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
     env_entries+=("$line")
   done <"$env_file"
 }
 
-# Checks every host in parallel; fills addresses and port, or prints a table
-# of the hosts that failed and exits 1.
-preflight() {
-  local i want_port pids=() reports=() report failed=() fields client=
+# Runs check_node on every host in parallel, each into $tmp/preflight.N. Cuts
+# off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
+# in timed_out.
+run_checks() {
+  local i want_port pid timer
+  local -A pending=() # pid -> host number
   for i in "${!labels[@]}"; do
     want_port=no
-    [[ $i != 0 || -n $port ]] || want_port=yes
+    if [[ $i == 0 && -z $port ]]; then want_port=yes; fi
     build_command "$i" check_node "$workdir" "$torchrun" "$script" "$want_port"
     "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
-    pids+=($!)
+    pending[$!]=$i
   done
-  trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT
-  trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM
-  for i in "${!labels[@]}"; do
-    wait "${pids[i]}" || true
-    report=$(grep '^ok ' "$tmp/preflight.$i" | tail -n 1) || true
-    if [[ -z $report ]]; then
-      report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
-      failed+=("$i")
-      reports[i]=${report#fail: }
-      continue
+  sleep "$PREFLIGHT_SECONDS" &
+  timer=$!
+  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null; exit 130' INT
+  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null; exit 143' TERM
+  while ((${#pending[@]})); do
+    pid=
+    wait -n -p pid "$timer" "${!pending[@]}" || true
+    if [[ $pid == "$timer" ]]; then
+      for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
+      kill "${!pending[@]}" 2>/dev/null || true
+      wait "${!pending[@]}" || true
+      break
     fi
-    read -ra fields <<<"$report"
-    addresses[i]=${fields[3]}
-    [[ -n ${local_node[i]} || -n $client ]] || client=${fields[1]}
-    [[ ${fields[5]} == - ]] || port=${fields[5]}
+    if [[ -n $pid ]]; then unset "pending[$pid]"; fi
   done
+  kill "$timer" 2>/dev/null || true
   trap - INT TERM
-  if ((${#failed[@]})); then
+}
+
+# Prints why the address remote host number $1 reports cannot serve the job,
+# if it cannot. seen maps the addresses of the hosts before it to their numbers.
+address_problem() {
+  local i=$1 address=${addresses[$1]}
+  case $address in
+    -) echo "its sshd sets no SSH_CONNECTION, so its address is unknown" ;;
+    127.* | ::1) echo "reached at $address (a tunnel?): list it by an address the other hosts can reach" ;;
+    *)
+      if [[ -n ${seen[$address]:-} ]]; then
+        echo "reached at $address, as ${labels[${seen[$address]}]} is (a container's sshd?): every host needs its own address"
+      fi
+      ;;
+  esac
+}
+
+# Checks every host; fills addresses and port, or prints a table of the hosts
+# that failed and exits 1.
+preflight() {
+  local i report fields client='' timed_out=() reports=()
+  local -A seen=() # address -> host number
+  run_checks
+  for i in "${!labels[@]}"; do
+    report=$(grep '^ok ' "$tmp/preflight.$i" | tail -n 1) || true
+    if [[ -n ${timed_out[i]:-} ]]; then
+      reports[i]="no answer within $PREFLIGHT_SECONDS s"
+    elif [[ -z $report ]]; then
+      report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
+      report=${report#fail: }
+      reports[i]=${report:-no answer}
+    else
+      read -ra fields <<<"$report"
+      addresses[i]=${fields[3]}
+      if [[ ${fields[5]} != - ]]; then port=${fields[5]}; fi
+      if [[ -z ${local_node[i]} ]]; then
+        client=${client:-${fields[1]}} # this machine, as the hosts see it
+        report=$(address_problem "$i")
+        if [[ -n $report ]]; then reports[i]=$report; fi
+        seen[${addresses[i]}]=$i
+      fi
+    fi
+  done
+  if ((${#reports[@]})); then
     echo "launch.sh: preflight failed, nothing was started:" >&2
-    for i in "${failed[@]}"; do
-      printf '  %-*s  %s\n' "$label_width" "${labels[i]}" "${reports[i]:-no answer}" >&2
+    for i in "${!reports[@]}"; do
+      printf '  %-*s  %s\n' "$label_width" "${labels[i]}" "${reports[i]}" >&2
     done
     exit 1
   fi
   for i in "${!labels[@]}"; do
-    [[ -z ${local_node[i]} ]] || addresses[i]=${client:-127.0.0.1}
+    if [[ -n ${local_node[i]} ]]; then addresses[i]=${client:-127.0.0.1}; fi
   done
 }
 
@@ -292,6 +347,7 @@ print_summary() {
 }
 
 main() {
+  require_bash 5 1 # wait -n -p
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
@@ -319,7 +375,6 @@ main() {
   hostfile=$1 nproc=$2 script=${3:-train.py}
   script_args=("${@:4}")
 
-  ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)) || die "needs bash 5.1 or newer"
   [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"

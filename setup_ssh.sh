@@ -26,11 +26,11 @@
 
 set -euo pipefail
 
-# shellcheck source=lib/hostfile.sh
-source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hostfile.sh"
+# shellcheck source=lib/hosts.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hosts.sh"
 
-# Runs on each host: reads the public key from stdin and appends it to
-# ~/.ssh/authorized_keys unless it is there already.
+# Runs on each host, in bash: reads the public key from stdin and appends it
+# to ~/.ssh/authorized_keys unless it is there already.
 # shellcheck disable=SC2016 # expands there, not here
 readonly INSTALL_KEY='umask 077 && read -r key && mkdir -p ~/.ssh && chmod 700 ~/.ssh &&
 { grep -qxF "$key" ~/.ssh/authorized_keys 2>/dev/null || echo "$key" >>~/.ssh/authorized_keys; } &&
@@ -64,34 +64,42 @@ create_key() {
 ssh_for() {
   local i=$1
   shift
-  cmd=("${ssh_command[@]}" -i "$key" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
+  cmd=("${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
     ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 
 install_key() {
-  local i=$1
-  ssh_for "$i" -o BatchMode=yes
-  "${cmd[@]}" "$INSTALL_KEY" <"$key.pub" 2>/dev/null && return 0
+  local i=$1 install
+  install=$(remote_bash_command "$INSTALL_KEY")
+  ssh_for "$i" -i "$key" -o BatchMode=yes
+  "${cmd[@]}" "$install" <"$key.pub" 2>/dev/null && return 0
   echo "setup_ssh.sh: ${labels[i]}: installing $key.pub with a password login" >&2
   ssh_for "$i" -o NumberOfPasswordPrompts=1
   if [[ -n ${SSHPASS:-} ]] && command -v sshpass >/dev/null; then
     cmd=(sshpass -e "${cmd[@]}")
   fi
-  "${cmd[@]}" "$INSTALL_KEY" <"$key.pub"
+  "${cmd[@]}" "$install" <"$key.pub"
 }
 
-# Prints "ok" or why BatchMode login to host number $1 fails.
+# Prints "ok" or why BatchMode login to host number $1 fails, as launch.sh
+# will log in: with the keys ssh offers by itself.
 check_login() {
   local i=$1 output
   ssh_for "$i" -o BatchMode=yes
   if output=$("${cmd[@]}" true 2>&1 </dev/null); then
     echo ok
+    return
+  fi
+  ssh_for "$i" -i "$key" -o BatchMode=yes
+  if "${cmd[@]}" true >/dev/null 2>&1 </dev/null; then
+    echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
     echo "FAILED: $(tail -n 1 <<<"$output")"
   fi
 }
 
 main() {
+  require_bash 4 3 # local_node[-1]
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=()
   local i width=4 result failed=0

@@ -48,9 +48,9 @@ _instances = 0  # clusters built by this process, for unique names
 TOOLS = ("ip", "unshare", "nsenter", "ssh", "ssh-keygen", "openssl")
 
 
-def missing_prerequisites():
+def missing_prerequisites(login_shells=()):
     """Return a list of reasons the cluster cannot be built here."""
-    missing = []
+    missing = [f"{shell} not installed" for shell in login_shells if not os.access(shell, os.X_OK)]
     if os.geteuid() != 0:
         missing.append("must run as root")
     missing += [f"{tool} not installed" for tool in TOOLS if not shutil.which(tool)]
@@ -59,9 +59,9 @@ def missing_prerequisites():
     return missing
 
 
-def require_prerequisites():
+def require_prerequisites(login_shells=()):
     """Skip the calling test, or fail it when REQUIRE_CLUSTER_TESTS=1."""
-    missing = missing_prerequisites()
+    missing = missing_prerequisites(login_shells)
     if not missing:
         return
     reason = "simulated cluster unavailable: " + "; ".join(missing)
@@ -75,7 +75,7 @@ def cluster_fixture(n_hosts=3, scope="module", **options):
 
     @pytest.fixture(scope=scope)
     def _cluster():
-        require_prerequisites()
+        require_prerequisites(options.get("login_shells", {}).values())
         with simulated_cluster(n_hosts, **options) as cluster:
             yield cluster
 
@@ -202,7 +202,8 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True):
+def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
+                      login_shells=None):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -211,6 +212,9 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         ~/.ssh/authorized_keys.
     known_hosts: pre-record every host key in cluster.known_hosts
         (otherwise it starts empty).
+    login_shells: {host name: root's login shell there}, e.g. /usr/bin/tcsh
+        (default: this machine's, for every host). sshd runs every remote
+        command through it.
     """
     global _instances
     _instances += 1
@@ -230,7 +234,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
             hosts[name] = Host(name, addresses[i], f"{tag}h{i}", base / name)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
         for host in hosts.values():
-            _start_host(host, bridge, hosts, base, password, authorize)
+            shell = (login_shells or {}).get(host.name)
+            _start_host(host, bridge, hosts, base, password, authorize, shell)
         (base / "known_hosts").write_text(
             "".join(
                 f"{h.name},{h.address} {(h.dir / 'ssh_host_ed25519_key.pub').read_text()}"
@@ -267,7 +272,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _teardown(hosts.values(), bridge, base)
 
 
-def _start_host(host, bridge, hosts, base, password, authorize):
+def _start_host(host, bridge, hosts, base, password, authorize, login_shell):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -281,7 +286,7 @@ def _start_host(host, bridge, hosts, base, password, authorize):
     (etc / "hosts").write_text(f"127.0.0.1 localhost\n{host.address} {host.name}\n")
     (etc / "passwd").write_text(
         "".join(
-            _with_home(line, home) if line.startswith("root:") else line
+            _root_entry(line, home, login_shell) if line.startswith("root:") else line
             for line in Path("/etc/passwd").read_text().splitlines(keepends=True)
         )
     )
@@ -321,9 +326,10 @@ def _start_host(host, bridge, hosts, base, password, authorize):
     )
 
 
-def _with_home(passwd_line, home):
+def _root_entry(passwd_line, home, login_shell):
     fields = passwd_line.rstrip("\n").split(":")
     fields[5] = str(home)
+    fields[6] = login_shell or fields[6]
     return ":".join(fields) + "\n"
 
 

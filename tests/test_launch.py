@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import cluster_fixture
+from cluster import cluster_fixture, require_prerequisites, simulated_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
+ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
+LOGIN_SHELLS = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
 LONG_TRAIN = [*TRAIN, "--epochs", "1000", "--log-every", "5"]  # runs until stopped
 
 cluster = cluster_fixture(n_hosts=3)
@@ -147,6 +149,27 @@ def workers(cluster, host):
     ]
 
 
+def ssh_here(tmp_path):
+    """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
+    SSH_CONNECTION each made-up host would have: two containers share one address, a
+    tunnel ends at 127.0.0.1, one sshd sets none, and "stuck" never answers."""
+    script = tmp_path / "ssh-here"
+    script.write_text(
+        '#!/usr/bin/env bash\n'
+        'host=${*: -2:1}\n'
+        'case $host in\n'
+        '  stuck) exec sleep 600 ;;\n'
+        '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
+        '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
+        '  bare) unset SSH_CONNECTION ;;\n'
+        '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
+        'esac\n'
+        'exec sh -c "${*: -1}"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
 def fake_ssh(tmp_path):
     """An SSH_COMMAND that only records that it was called."""
     script = tmp_path / "fake-ssh"
@@ -198,11 +221,10 @@ def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start)
     secret, torch_secret = "s3cret-from-env-file", "s3cret-from-environment"
     env_file = tmp_path / "env"
     env_file.write_text(f"PROBE_SECRET={secret}\n")
-    odd_arg = "two words 'quoted' \"double\" $(touch x) `touch y` ; *"
     launch = start(
         ["--log-dir", tmp_path / "logs", "--env-file", env_file,
          cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2]), "2",
-         "tests/dist_probe.py", "--steps", "8", "--sleep", "0.5", "--echo", odd_arg],
+         "tests/dist_probe.py", "--steps", "8", "--sleep", "0.5", "--echo", ODD_ARG],
         launch_env(cluster, TORCH_PROBE_SECRET=torch_secret, LAUNCHER_ONLY="not forwarded"),
     )
     launch.wait_for_output(r"^node\d: probe: running")
@@ -217,7 +239,7 @@ def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start)
     assert sorted(host for host, _, _ in reports) == ["node1", "node1", "node2", "node2"]
     for _, _, rest in reports:
         assert f"PROBE_SECRET={secret} TORCH_PROBE_SECRET={torch_secret} LAUNCHER_ONLY=None" in rest
-        assert rest.endswith(f"echo={odd_arg!r}")
+        assert rest.endswith(f"echo={ODD_ARG!r}")
     assert not (REPO / "x").exists() and not (REPO / "y").exists()
     assert_nothing_left(cluster, launch)
 
@@ -405,7 +427,10 @@ def test_signal_stops_every_host(cluster, tmp_path, start, signum, status):
 
 def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
-    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    env_file = tmp_path / "env"
+    env_file.write_text("PATH=/venv/bin:$PATH\n")  # taken as written: no tool of the clean-up is on it
+    launch = start(["--log-dir", tmp_path / "logs", "--env-file", env_file, hostfile, "1", *LONG_TRAIN],
+                   launch_env(cluster))
     launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
     os.kill(launch.pid, signal.SIGKILL)
     launch.proc.wait()
@@ -444,7 +469,52 @@ def test_shellcheck():
         if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
             pytest.fail("shellcheck not installed (REQUIRE_CLUSTER_TESTS=1)")
         pytest.skip("shellcheck not installed")
-    scripts = [REPO / "launch.sh", REPO / "setup_ssh.sh", REPO / "lib" / "hostfile.sh"]
+    scripts = [REPO / "launch.sh", REPO / "setup_ssh.sh", REPO / "lib" / "hosts.sh"]
     result = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True,
                             timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout
+
+
+def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("fine\nbox1\nbox2\ntunnel\nbare\n")
+    launch = run_launch(
+        start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)), timeout=30
+    )
+    assert launch.proc.returncode == 1, launch.out + launch.err
+    failed = dict(re.findall(r"^  (\S+) +(.*)$", launch.err, re.M))
+    assert failed.keys() == {"box2", "tunnel", "bare"}, launch.err
+    assert "172.17.0.2, as box1 is" in failed["box2"]
+    assert "127.0.0.1 (a tunnel?)" in failed["tunnel"]
+    assert "no SSH_CONNECTION" in failed["bare"]
+    assert launch.out == ""
+
+
+def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("fine\nstuck\n")
+    began = time.monotonic()
+    launch = run_launch(
+        start, ["--workdir", REPO, hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
+        timeout=60, cwd=tmp_path,
+    )
+    assert launch.proc.returncode == 1, launch.out + launch.err
+    assert 30 <= time.monotonic() - began < 40
+    assert launch.err.splitlines()[1:] == ["  stuck  no answer within 30 s"], launch.err
+    assert not session_processes(launch.pid)  # the stuck ssh is gone too
+    assert not (tmp_path / "logs").exists()
+
+
+def test_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path, start):
+    """sshd runs the remote command through the login shell, and these two parse it unlike sh."""
+    require_prerequisites(LOGIN_SHELLS.values())
+    with simulated_cluster(2, login_shells=LOGIN_SHELLS) as odd_cluster:
+        launch = start(
+            ["--log-dir", tmp_path / "logs", odd_cluster.write_hostfile(tmp_path / "hosts.txt"), "1",
+             "tests/dist_probe.py", "--echo", ODD_ARG],
+            launch_env(odd_cluster),
+        )
+        assert launch.wait(60) == 0, launch.out + launch.err
+        echoes = re.findall(r"^(node\d): probe: rank=\d world_size=2 sum=1 .* echo=(.*)$", launch.out, re.M)
+        assert sorted(echoes) == [("node1", repr(ODD_ARG)), ("node2", repr(ODD_ARG))], launch.out
+        assert_nothing_left(odd_cluster, launch)

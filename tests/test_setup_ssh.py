@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cluster_fixture
+from cluster import cluster_fixture, require_prerequisites, simulated_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "setup_ssh.sh"
@@ -40,17 +40,26 @@ def state(cluster, key):
     return {f: (f.read_bytes(), f.stat().st_mtime_ns) if f.exists() else None for f in files}
 
 
-def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
+def require_sshpass():
     if not shutil.which("sshpass"):
         if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
             pytest.fail("sshpass not installed (REQUIRE_CLUSTER_TESTS=1)")
         pytest.skip("sshpass not installed")
+
+
+def offering(cluster, key):
+    """An SSH_COMMAND whose ssh offers key, as ~/.ssh/id_ed25519 is offered by default."""
+    return f"{cluster.ssh_command} -i {key}"
+
+
+def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
+    require_sshpass()
     key = tmp_path / "keys" / "id_ed25519"
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost  # skipped: runs without SSH\n" + "".join(f"{h}\n" for h in cluster.hosts))
     assert all(batch_login(cluster, h, cluster.key) != 0 for h in cluster.hosts)
 
-    first = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
+    first = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_COMMAND=offering(cluster, key))
     assert first.returncode == 0, first.stdout + first.stderr
     assert "localhost" not in first.stdout
     for host in cluster.hosts:
@@ -63,7 +72,7 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     assert all(cluster.address(h) in known for h in cluster.hosts), known
 
     before = state(cluster, key)
-    second = setup_ssh(cluster, "--key", key, hostfile)  # no password needed now
+    second = setup_ssh(cluster, "--key", key, hostfile, SSH_COMMAND=offering(cluster, key))  # no password now
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout == first.stdout and second.stderr == ""
     assert state(cluster, key) == before
@@ -83,3 +92,29 @@ def test_never_disables_host_key_checking():
     for script in ("setup_ssh.sh", "launch.sh"):
         text = (REPO / script).read_text()
         assert not re.search(r"StrictHostKeyChecking[= ]*no\b", text, re.I)
+
+
+def test_a_key_ssh_does_not_offer_is_reported(cluster, tmp_path):
+    require_sshpass()
+    key = tmp_path / "id_ed25519"  # cluster.ssh_command offers only cluster.key
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[1]}\n")
+    result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
+    assert result.returncode == 1
+    assert f"FAILED: works only with -i {key}: add 'IdentityFile {key}'" in result.stdout, result.stdout
+    assert batch_login(cluster, cluster.hosts[1], key) == 0
+
+
+def test_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
+    require_sshpass()
+    shells = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
+    require_prerequisites(shells.values())
+    key = tmp_path / "id_ed25519"
+    with simulated_cluster(2, password=PASSWORD, authorize=False, login_shells=shells) as odd_cluster:
+        result = setup_ssh(odd_cluster, "--key", key, odd_cluster.write_hostfile(tmp_path / "hosts.txt"),
+                           SSHPASS=PASSWORD, SSH_COMMAND=offering(odd_cluster, key))
+        assert result.returncode == 0, result.stdout + result.stderr
+        for host in odd_cluster.hosts:
+            assert re.search(rf"^{host} +ok$", result.stdout, re.M), result.stdout
+            keys = odd_cluster.host(host).dir / "home/.ssh/authorized_keys"
+            assert keys.read_text() == Path(f"{key}.pub").read_text()

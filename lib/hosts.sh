@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 #
-# Reads a hosts file for launch.sh and setup_ssh.sh. Source it; the caller
-# defines die MESSAGE (prints and exits 2).
+# What launch.sh and setup_ssh.sh share: reading a hosts file, and the command
+# line that runs bash on a host. Source it; the caller defines die MESSAGE
+# (prints and exits 2).
 #
 # One host per line, [user@]host[:port]; '#' starts a comment. A line with any
 # other character (a shell metacharacter above all) is an error, so no line
@@ -49,4 +50,31 @@ read_hostfile() {
     fi
   done <"$file"
   ((${#labels[@]})) || die "$file: no hosts"
+}
+
+# Dies unless this bash is at least version $1.$2.
+require_bash() {
+  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < $1 * 100 + $2)); then
+    die "needs bash $1.$2 or newer (this is $BASH_VERSION)"
+  fi
+}
+
+# Prints its arguments single-quoted for bash, space-separated.
+quote_words() {
+  local word quoted=()
+  for word; do
+    quoted+=("'${word//\'/\'\\\'\'}'")
+  done
+  echo "${quoted[*]}"
+}
+
+# Prints the command line for ssh that runs bash script $1 with arguments
+# "${@:2}" on a host. The login shell there may be sh, bash, zsh, fish or tcsh:
+# script and arguments travel base64-encoded, so it sees no character it
+# could treat differently.
+remote_bash_command() {
+  local script=$1 payload
+  shift
+  payload=$(printf 'set -- %s\n%s\n' "$(quote_words "$@")" "$script" | base64 | tr -d '\n')
+  echo "bash -c 'eval \"\$(echo $payload | base64 -d)\"'"
 }
