@@ -104,10 +104,9 @@ run_node() {
     mapfile -t pids < <(job_pids)
     if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
   }
-  # One stream: ssh carries stderr on a channel of its own, and the two would
-  # meet again here cut at arbitrary bytes, splitting lines.
-  # The entries go to the command only: this shell keeps its own PATH for the
-  # clean-up, whatever an --env-file line sets.
+  # env: the entries reach the command only, so this shell keeps its PATH for
+  # the clean-up whatever an --env-file line sets. 2>&1: ssh carries stderr on
+  # a channel of its own, and the two would meet again cut mid-line.
   env "${entries[@]}" LAUNCH_JOB="$job" "$@" </dev/null 2>&1 &
   torchrun_pid=$!
   while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
