@@ -192,13 +192,16 @@ run_checks() {
 # Prints why the address remote host number $1 reports cannot serve the job,
 # if it cannot. seen maps the addresses of the hosts before it to their numbers.
 address_problem() {
-  local i=$1 address=${addresses[$1]}
+  local address=${addresses[$1]} other
   case $address in
     -) echo "its sshd sets no SSH_CONNECTION, so its address is unknown" ;;
-    127.* | ::1) echo "reached at $address (a tunnel?): list it by an address the other hosts can reach" ;;
+    127.* | ::1)
+      echo "reached at $address (a tunnel?): list it by an address the other hosts can reach"
+      ;;
     *)
       if [[ -n ${seen[$address]:-} ]]; then
-        echo "reached at $address, as ${labels[${seen[$address]}]} is (a container's sshd?): every host needs its own address"
+        other=${labels[${seen[$address]}]}
+        echo "reached at $address, as $other is (a container's sshd?): every host needs its own address"
       fi
       ;;
   esac
@@ -245,7 +248,7 @@ preflight() {
 # Sets node_args to torchrun's arguments for host number $1.
 set_node_args() {
   local i=$1 is_host=0 host=${addresses[0]}
-  [[ $i != 0 ]] || is_host=1
+  if ((i == 0)); then is_host=1; fi
   [[ $host != *:* ]] || host="[$host]" # IPv6
   node_args=(--nnodes="${#labels[@]}" --nproc-per-node="$nproc"
     --rdzv-backend=c10d --rdzv-endpoint="$host:$port"
@@ -261,7 +264,7 @@ print_dry_run() {
   for i in "${!labels[@]}"; do
     set_node_args "$i"
     how="ssh ${ports[i]:+-p ${ports[i]} }${destinations[i]}"
-    [[ -z ${local_node[i]} ]] || how=local
+    if [[ -n ${local_node[i]} ]]; then how=local; fi
     echo "${labels[i]} ($how): cd $(quote_words "$workdir") && $(quote_words "$torchrun" "${node_args[@]}")"
   done
 }
@@ -293,7 +296,7 @@ start_hosts() {
     printf '%s\0' "${env_entries[@]}" '' 2>/dev/null 1>&"$fd" || true
     stdin_fds+=("$fd")
   done
-  [[ -z $stopping ]] || stop_hosts # a signal came while starting
+  if [[ -n $stopping ]]; then stop_hosts; fi # a signal came while starting
 }
 
 stop_hosts() {
@@ -320,7 +323,7 @@ wait_for_hosts() {
     unset "running[$pid]"
     statuses[i]=$status
     durations[i]=$((SECONDS - started[i]))
-    [[ -z $stopping ]] || stopped[i]=yes
+    if [[ -n $stopping ]]; then stopped[i]=yes; fi
     if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
       first_failure=$i
       stop_hosts
@@ -404,7 +407,7 @@ main() {
   wait_for_hosts
   print_summary
   if [[ -n $signal_status ]]; then exit "$signal_status"; fi
-  [[ -z $first_failure ]] || exit 1
+  if [[ -n $first_failure ]]; then exit 1; fi
 }
 
 main "$@"
