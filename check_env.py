@@ -58,6 +58,9 @@ ALLREDUCE_DEADLINE_S = 90  # the whole run, start-up included; then every node i
 RESULT_MARKER = "CHECK_ENV_ALLREDUCE "  # prefixes rank 0's result line in the torchrun output
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_")
+# What launch.sh gives every host from this shell (its FORWARDED): the hosts are
+# checked, and benchmarked, with what the job will see.
+FORWARDED = re.compile(r"NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
 
 # Linux ioctls that return an interface's IPv4 address and netmask (<linux/sockios.h>).
@@ -105,10 +108,16 @@ def torch_facts(why_missing):
     facts["cuda_runtime"] = torch.version.cuda
     if facts["cuda_runtime"] is None:
         why_missing["cuda_runtime"] = "CPU-only torch build"
-    cudnn = torch.backends.cudnn.version()
-    facts["cudnn"] = cudnn_version_string(cudnn) if cudnn else None
-    if cudnn is None:
-        why_missing["cudnn"] = "torch has no cuDNN"
+    try:
+        # Initialises CUDA, and raises where cuDNN does not support a GPU (below sm 7.5
+        # for cuDNN 9.11+) or the driver is too old.
+        cudnn = torch.backends.cudnn.version()
+    except Exception as exc:
+        cudnn, why_missing["cudnn"] = None, describe(exc)
+    else:
+        facts["cudnn"] = cudnn_version_string(cudnn) if cudnn else None
+        if cudnn is None:
+            why_missing["cudnn"] = "torch has no cuDNN"
     try:
         facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception as exc:  # CPU-only builds have no NCCL to ask
@@ -116,15 +125,18 @@ def torch_facts(why_missing):
     facts["gloo_available"] = dist.is_available() and dist.is_gloo_available()
     facts["nccl_available"] = dist.is_available() and dist.is_nccl_available()
     # device_count() is 0, not an error, without a GPU or with CUDA_VISIBLE_DEVICES="".
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        facts["gpus"].append(
-            {
-                "name": props.name,
-                "memory_gib": round(props.total_memory / 2**30, 1),
-                "capability": f"{props.major}.{props.minor}",
-            }
-        )
+    try:
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            facts["gpus"].append(
+                {
+                    "name": props.name,
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                    "capability": f"{props.major}.{props.minor}",
+                }
+            )
+    except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
+        facts["gpus"], why_missing["gpus"] = [], describe(exc)
     try:
         import torchvision
 
@@ -287,11 +299,15 @@ MUST_MATCH = [
 
 
 def common_subnet(first, other):
-    """(first's address, other's address) on a non-loopback subnet they share, or None."""
+    """(first's address, other's address) on a subnet they share, or None. Loopback and
+    link-local (a BMC's USB link) do not count, nor a subnet where both have the same
+    address: docker0's 172.17.0.1 on every host is each host's own."""
     for mine in first.get("interfaces") or []:
         for theirs in other.get("interfaces") or []:
             a, b = ipaddress.IPv4Interface(mine["ipv4"]), ipaddress.IPv4Interface(theirs["ipv4"])
-            if not a.is_loopback and (a.ip in b.network or b.ip in a.network):
+            if a.is_loopback or a.is_link_local or a.ip == b.ip:
+                continue
+            if a.ip in b.network or b.ip in a.network:
                 return str(a.ip), str(b.ip)
     return None
 
@@ -309,6 +325,8 @@ def find_problems(labels, reports, nproc=None):
             why = report["why_missing"]["torch"]
             problems.append(f"{label}: torch {why} (interpreter {report['python_executable']})")
         else:
+            if "gpus" in report["why_missing"]:
+                problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             problems += gpu_shortage(label, report, nproc, uses_gpus)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
@@ -417,6 +435,9 @@ def host_command(host, argv, tty=False):
         options += ["-p", host.port]
     if tty:
         options.append("-tt")
+    forwarded = [f"{k}={v}" for k, v in sorted(os.environ.items()) if FORWARDED.fullmatch(k)]
+    if forwarded:
+        argv = ["env", *forwarded, *argv]
     return [*ssh, *options, "--", host.target, "exec " + shlex.join(argv)]
 
 
@@ -509,7 +530,8 @@ def time_allreduce(size, device, rank, world):
     # The first call warms up and checks the sum, like nccl-tests' #wrong column.
     x.fill_(rank + 1)
     dist.all_reduce(x)
-    correct = bool((x == world * (world + 1) / 2).all())
+    correct = (x == world * (world + 1) / 2).all().to(torch.int32)
+    dist.all_reduce(correct, op=dist.ReduceOp.MIN)  # right on every rank, not only rank 0
     x.zero_()  # zeros stay zeros: no overflow to inf while timing
     iterations = max(3, min(20, ALLREDUCE_BYTES_PER_SIZE // size))
     synchronize()
@@ -521,7 +543,7 @@ def time_allreduce(size, device, rank, world):
     # The slowest rank's time is the collective's time.
     seconds = torch.tensor([(time.perf_counter() - start) / iterations], device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return {"bytes": size, "seconds": seconds.item(), "correct": correct}
+    return {"bytes": size, "seconds": seconds.item(), "correct": bool(correct)}
 
 
 def format_allreduce(result, nodes):
@@ -583,7 +605,14 @@ def run_allreduce(hosts, reports, python, nproc):
         ]
         for node, addr in enumerate(local_addrs)
     ]  # fmt: skip
-    outputs, failed = run_nodes(hosts, commands)
+    outputs, failed, hung = run_nodes(hosts, commands)
+    if hung:
+        ends = "\n".join(f"{host.entry}:\n{tail(output, 5)}" for host, output in zip(hosts, outputs))
+        return 1, (
+            f"no node finished within {ALLREDUCE_DEADLINE_S} s: a hang, e.g. NCCL connecting over an "
+            "interface the others cannot reach (set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO shows its "
+            f"choice). The end of each node's output:\n{ends}"
+        )
     if failed is not None:
         return 1, explain_node_failure(hosts, failed, outputs, endpoint)
     for output in outputs:
@@ -596,8 +625,8 @@ def run_allreduce(hosts, reports, python, nproc):
 def run_nodes(hosts, commands):
     """Start every node, wait for all; stop them all as soon as one fails.
 
-    Returns (each node's output, index of the first failed node or None). A
-    node that is still running at the deadline counts as failed.
+    Returns (each node's output, index of the first node that failed or None,
+    whether the deadline came first).
     """
     procs = []
     with ThreadPoolExecutor(max_workers=len(hosts)) as readers:
@@ -616,10 +645,10 @@ def run_nodes(hosts, commands):
                 )
                 procs.append(proc)
             outputs = [readers.submit(read_all, proc.stdout) for proc in procs]
-            failed = wait_for_nodes(procs, time.monotonic() + ALLREDUCE_DEADLINE_S)
+            failed, hung = wait_for_nodes(procs, time.monotonic() + ALLREDUCE_DEADLINE_S)
         finally:
             stop(procs)
-        return [output.result() for output in outputs], failed
+        return [output.result() for output in outputs], failed, hung
 
 
 def read_all(stream):
@@ -627,16 +656,16 @@ def read_all(stream):
 
 
 def wait_for_nodes(procs, deadline):
-    """Index of the first node to fail or to outlive the deadline; None when all succeed."""
+    """(index of the first node to fail or None, whether the deadline came first)."""
     while True:
         statuses = [proc.poll() for proc in procs]
         failed = [i for i, status in enumerate(statuses) if status not in (None, 0)]
         if failed:
-            return failed[0]
+            return failed[0], False
         if None not in statuses:
-            return None
+            return None, False
         if time.monotonic() > deadline:
-            return statuses.index(None)
+            return None, True
         time.sleep(0.1)
 
 
@@ -667,7 +696,7 @@ def explain_node_failure(hosts, failed, outputs, endpoint):
     elif "RendezvousTimeoutError" in output:
         why = f"not every node joined the rendezvous at {endpoint} within {RDZV_JOIN_TIMEOUT_S} s"
     else:
-        why = f"the all-reduce failed or did not finish within {ALLREDUCE_DEADLINE_S} s"
+        why = "the all-reduce failed"
     # The exception lines say what happened; torchrun's tracebacks around them do not.
     exceptions = [line for line in output.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
     details = "\n".join(exceptions[-3:]) or tail(output)

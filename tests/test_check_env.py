@@ -79,6 +79,24 @@ def test_report_without_torchvision_says_missing(monkeypatch):
     assert "torchvision does not import" in report["why_missing"]["torchvision"]
 
 
+def test_gpus_cuda_cannot_use_are_a_reason_not_a_crash(monkeypatch):
+    import torch
+
+    def too_old(*args):
+        raise RuntimeError("The NVIDIA driver on your system is too old")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # NVML counts them
+    monkeypatch.setattr(torch.cuda, "get_device_properties", too_old)
+    monkeypatch.setattr(torch.backends.cudnn, "version", too_old)
+    report = check_env.gather_report()
+    assert report["gpus"] == [] and report["cudnn"] is None
+    assert "driver on your system is too old" in report["why_missing"]["gpus"]
+    assert "driver on your system is too old" in report["why_missing"]["cudnn"]
+    assert check_env.find_problems(["a", "b"], [host_report("a", "10.0.0.1/24"), {**report}])[0].startswith(
+        "b: CUDA cannot use the GPUs: RuntimeError: The NVIDIA driver on your system is too old"
+    )
+
+
 def test_help_explains_the_options():
     result = run_check_env(["--help"], timeout=30)
     assert result.returncode == 0
@@ -138,6 +156,11 @@ def gpus(n):
 LABELS = ["a", "b", "c"]
 
 
+def with_interfaces(report, *interfaces):
+    report["interfaces"] += [{"name": name, "ipv4": ipv4} for name, ipv4 in interfaces]
+    return report
+
+
 def three_hosts(b=None, c=None):
     """Three matching hosts, with b and c replaced where given."""
     return [
@@ -184,6 +207,20 @@ def three_hosts(b=None, c=None):
                 "a: lo 127.0.0.1/8, eth0 10.0.0.1/24); check routing and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"
             ],
         ),
+        (  # docker0 and a BMC's link-local address on every host are no network between them
+            [
+                with_interfaces(host_report(n, f"10.0.{i}.1/24"), ("docker0", "172.17.0.1/16"),
+                                ("idrac", "169.254.0.2/16"))
+                for i, n in enumerate(LABELS[:2])
+            ],
+            None,
+            [
+                "b: no IPv4 interface in a common subnet with a (b: lo 127.0.0.1/8, eth0 10.0.1.1/24, "
+                "docker0 172.17.0.1/16, idrac 169.254.0.2/16; a: lo 127.0.0.1/8, eth0 10.0.0.1/24, "
+                "docker0 172.17.0.1/16, idrac 169.254.0.2/16); check routing and NCCL_SOCKET_IFNAME / "
+                "GLOO_SOCKET_IFNAME"
+            ],
+        ),
         (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [8, 2, 8]), 1)],
             4,
@@ -205,6 +242,7 @@ def three_hosts(b=None, c=None):
         "no-torch",
         "unreachable",
         "subnet",
+        "docker0-link-local",
         "nproc-gpus",
         "gpu-cpu-mix",
         "cpu-nproc",
@@ -331,8 +369,8 @@ def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
 def test_run_nodes_stops_the_others_when_one_fails():
     local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed = check_env.run_nodes([local, local], [["sleep", "60"], ["sh", "-c", "echo boom; exit 3"]])
-    assert failed == 1 and outputs[1] == "boom\n"
+    outputs, failed, hung = check_env.run_nodes([local, local], [["sleep", "60"], ["sh", "-c", "echo boom; exit 3"]])
+    assert failed == 1 and not hung and outputs[1] == "boom\n"
     assert time.monotonic() - start < 10
 
 
@@ -340,8 +378,8 @@ def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
     monkeypatch.setattr(check_env, "ALLREDUCE_DEADLINE_S", 1)
     local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed = check_env.run_nodes([local], [["sh", "-c", "sleep 60 & echo $!; wait"]])
-    assert failed == 0
+    outputs, failed, hung = check_env.run_nodes([local], [["sh", "-c", "sleep 60 & echo $!; wait"]])
+    assert failed is None and hung
     assert time.monotonic() - start < 10
     # The whole group goes, not only its leader: the background sleep too.
     assert not is_running(int(outputs[0]))

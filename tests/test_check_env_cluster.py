@@ -35,7 +35,8 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
 
     # localhost is checked here without ssh, and shares the cluster's subnet through its bridge.
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", *cluster.hosts])
-    result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120, env=cluster.env())
+    result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120,
+                           env=cluster.env(NCCL_DEBUG="WARN", MASTER_PORT="1234"))
     assert result.returncode == 0, result.stdout + result.stderr
     reports = json.loads(result.stdout)["hosts"]
     assert list(reports) == ["localhost", *cluster.hosts]
@@ -44,6 +45,7 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
         assert report["hostname"] == name  # really gathered there, not here
         assert report["torch"] == torch.__version__
         assert {"name": "eth0", "ipv4": f"{cluster.address(name)}/24"} in report["interfaces"]
+        assert report["env"] == {"NCCL_DEBUG": "WARN"}  # forwarded as launch.sh does; MASTER_PORT not
 
 
 @contextmanager
