@@ -573,6 +573,18 @@ def rendezvous_plan(hosts, reports):
     return pairs[0][0], [pairs[0][0]] + [theirs for _, theirs in pairs]
 
 
+def gloo_interface(report, address):
+    """["env", "GLOO_SOCKET_IFNAME=<the interface holding address>"], or [] when unknown or
+    set by the user. Otherwise gloo binds to the address the host's name resolves to, which
+    Debian and Ubuntu map to 127.0.1.1, where no other host can connect (launch.sh does the same)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return []
+    for interface in report.get("interfaces") or []:
+        if interface["ipv4"].split("/")[0] == address:
+            return ["env", f"GLOO_SOCKET_IFNAME={interface['name']}"]
+    return []
+
+
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 
@@ -594,6 +606,7 @@ def run_allreduce(hosts, reports, python, nproc):
     run_id = secrets.token_hex(4)
     commands = [
         [
+            *gloo_interface(report, addr),
             python, "-m", "torch.distributed.run",
             f"--nnodes={len(hosts)}", f"--nproc-per-node={nproc}", "--max-restarts=0",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=check-env-{run_id}",
@@ -603,7 +616,7 @@ def run_allreduce(hosts, reports, python, nproc):
             f"is_host={str(node == 0).lower()}",
             f"--local-addr={addr}", script, "--allreduce-worker",
         ]
-        for node, addr in enumerate(local_addrs)
+        for node, (addr, report) in enumerate(zip(local_addrs, reports))
     ]  # fmt: skip
     outputs, failed, hung = run_nodes(hosts, commands)
     if hung:

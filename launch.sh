@@ -86,14 +86,23 @@ check_node() {
 # an empty one, runs the command with them and LAUNCH_JOB=JOB in its
 # environment, and when it exits or stdin closes, kills every process that
 # carries the mark (torchrun starts its workers in sessions of their own).
+# ADDRESS is where the other hosts reach this one.
 run_node() {
-  local job=$1 workdir=$2 entries=() entry torchrun_pid reader status
-  shift 2
+  local job=$1 workdir=$2 address=$3 entries=() entry interface torchrun_pid reader status
+  shift 3
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
     [[ -n $entry ]] || break
     entries+=("$entry")
   done
+  # gloo binds to the address this host's name resolves to, which Debian and
+  # Ubuntu map to 127.0.1.1, where no other host can connect. Bind it to the
+  # interface that holds ADDRESS instead, unless GLOO_SOCKET_IFNAME is set.
+  read -r _ interface _ < <(ip -o -4 addr show to "$address" 2>/dev/null)
+  for entry in "${entries[@]}"; do
+    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi
+  done
+  if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
   cd -- "$workdir" || return 1
   # Defined in here because only run_node's source travels to the host.
   job_pids() {
@@ -283,7 +292,8 @@ start_hosts() {
   for i in "${!labels[@]}"; do
     mkfifo "$tmp/stdin.$i"
     set_node_args "$i"
-    build_command "$i" run_node "$job_id/$i" "$workdir" "$torchrun" "${node_args[@]}"
+    build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$torchrun" \
+      "${node_args[@]}"
     "${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
       prefix_lines "${labels[i]}" &
     running[$!]=$i

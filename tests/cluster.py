@@ -2,8 +2,8 @@
 
 Each host is a network namespace joined to a private bridge by a veth pair,
 with its own address in a /24 that exists only inside this machine, its own
-hostname (UTS namespace), its own /etc/hosts (naming only itself: hosts cannot
-resolve each other, so they must meet by address), /etc/passwd and /etc/shadow
+hostname (UTS namespace), its own /etc/hosts (naming only itself, at 127.0.1.1
+as Debian does: hosts cannot resolve each other, so they must meet by address), /etc/passwd and /etc/shadow
 (bind-mounted by `ip netns exec` from /etc/netns/<ns>/) and its own sshd.
 root's home on a host is a fresh directory under the cluster's temp dir, so
 nothing touches the real ~/.ssh or /etc/hosts. All hosts share this
@@ -282,8 +282,9 @@ def _start_host(host, bridge, hosts, base, password, authorize, login_shell):
         keys.chmod(0o600)
     etc = Path("/etc/netns") / host.netns
     etc.mkdir(parents=True)
-    # Only itself: hosts must meet by address, as on networks without DNS.
-    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{host.address} {host.name}\n")
+    # Only itself, and as Debian and Ubuntu write it: at 127.0.1.1. Hosts must meet by
+    # address, as on networks without DNS, and nothing may bind to its name's address.
+    (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {host.name}\n")
     (etc / "passwd").write_text(
         "".join(
             _root_entry(line, home, login_shell) if line.startswith("root:") else line
