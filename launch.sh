@@ -33,6 +33,7 @@
 # Every host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
 # CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
 # --env-file lines, through SSH's standard input: no value shows in `ps`.
+# Unless given, GLOO_SOCKET_IFNAME is the interface of the host's address.
 #
 # Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
