@@ -78,11 +78,12 @@ def argv_of(pid):
 
 
 def client_starts(launch):
-    """Start times of launch.sh's job ssh clients (one per host; the preflight's are gone)."""
+    """Start times of launch.sh's job ssh clients: one per host, since the preflight's have
+    exited before the job's start."""
     starts = []
     for pid in session_processes(launch.pid):
         argv, stat = argv_of(pid), proc_stat(pid)
-        if stat and argv and argv[0].endswith("ssh") and any("run_node" in a for a in argv):
+        if stat and argv and argv[0].endswith("ssh"):
             starts.append(stat[0])
     return starts
 
