@@ -327,7 +327,8 @@ def find_problems(labels, reports, nproc=None):
         else:
             if "gpus" in report["why_missing"]:
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
-            problems += gpu_shortage(label, report, nproc, uses_gpus)
+            else:
+                problems += gpu_shortage(label, report, nproc, uses_gpus)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
     return problems
@@ -575,9 +576,10 @@ def rendezvous_plan(hosts, reports):
 
 def gloo_interface(report, address):
     """["env", "GLOO_SOCKET_IFNAME=<the interface holding address>"], or [] when unknown or
-    set by the user. Otherwise gloo binds to the address the host's name resolves to, which
-    Debian and Ubuntu map to 127.0.1.1, where no other host can connect (launch.sh does the same)."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
+    already set there (report["env"] holds the host's own and the forwarded variables).
+    Otherwise gloo binds to the address the host's name resolves to, which Debian and
+    Ubuntu map to 127.0.1.1, where no other host can connect (launch.sh does the same)."""
+    if "GLOO_SOCKET_IFNAME" in report["env"]:
         return []
     for interface in report.get("interfaces") or []:
         if interface["ipv4"].split("/")[0] == address:
@@ -622,7 +624,7 @@ def run_allreduce(hosts, reports, python, nproc):
     if hung:
         ends = "\n".join(f"{host.entry}:\n{tail(output, 5)}" for host, output in zip(hosts, outputs))
         return 1, (
-            f"no node finished within {ALLREDUCE_DEADLINE_S} s: a hang, e.g. NCCL connecting over an "
+            f"not every node finished within {ALLREDUCE_DEADLINE_S} s: a hang, e.g. NCCL connecting over an "
             "interface the others cannot reach (set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO shows its "
             f"choice). The end of each node's output:\n{ends}"
         )

@@ -33,7 +33,8 @@
 # Every host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
 # CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
 # --env-file lines, through SSH's standard input: no value shows in `ps`.
-# Unless given, GLOO_SOCKET_IFNAME is the interface of the host's address.
+# GLOO_SOCKET_IFNAME, unless set there or sent, is the interface of the
+# host's address.
 #
 # Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
@@ -98,10 +99,12 @@ run_node() {
   done
   # gloo binds to the address this host's name resolves to, which Debian and
   # Ubuntu map to 127.0.1.1, where no other host can connect. Bind it to the
-  # interface that holds ADDRESS instead, unless GLOO_SOCKET_IFNAME is set.
-  read -r _ interface _ < <(ip -o -4 addr show to "$address" 2>/dev/null)
+  # interface that holds ADDRESS instead, unless GLOO_SOCKET_IFNAME is set
+  # here or sent.
+  read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null)
+  if [[ -n ${GLOO_SOCKET_IFNAME+set} ]]; then interface=''; fi # set here
   for entry in "${entries[@]}"; do
-    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi
+    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi # sent
   done
   if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
   cd -- "$workdir" || return 1
@@ -182,15 +185,17 @@ run_checks() {
   done
   sleep "$PREFLIGHT_SECONDS" &
   timer=$!
-  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null; exit 130' INT
-  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null; exit 143' TERM
+  # || true: a check may be gone already (a signal to the whole group), and
+  # set -e would end this script with 1 before the exit.
+  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null || true; exit 130' INT
+  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null || true; exit 143' TERM
   while ((${#pending[@]})); do
     pid=
     wait -n -p pid "$timer" "${!pending[@]}" || true
     if [[ $pid == "$timer" ]]; then
       for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
-      kill "${!pending[@]}" 2>/dev/null || true
-      wait "${!pending[@]}" || true
+      kill -s KILL "${!pending[@]}" 2>/dev/null || true # a hung check may ignore TERM
+      wait "${!pending[@]}" 2>/dev/null || true # (no "Killed" notice)
       break
     fi
     if [[ -n $pid ]]; then unset "pending[$pid]"; fi

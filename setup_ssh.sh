@@ -99,7 +99,7 @@ check_login() {
 }
 
 main() {
-  require_bash 4 3 # local_node[-1]
+  require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=()
   local i width=4 result failed=0

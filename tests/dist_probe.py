@@ -27,7 +27,7 @@ for _ in range(args.steps):
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     time.sleep(args.sleep)
-names = ("PROBE_SECRET", "TORCH_PROBE_SECRET", "LAUNCHER_ONLY")
+names = ("PROBE_SECRET", "TORCH_PROBE_SECRET", "LAUNCHER_ONLY", "GLOO_SOCKET_IFNAME")
 sys.stdout.write(f"probe: rank={rank} world_size={world} sum={int(total.item())} "
                  + " ".join(f"{n}={os.environ.get(n)}" for n in names)
                  + f" echo={args.echo!r}\n")

@@ -97,6 +97,15 @@ def test_gpus_cuda_cannot_use_are_a_reason_not_a_crash(monkeypatch):
     )
 
 
+def test_gloo_binds_to_the_interface_of_the_nodes_address_unless_set_there():
+    report = host_report("a", "10.0.0.1/24")
+    assert check_env.gloo_interface(report, "10.0.0.1") == ["env", "GLOO_SOCKET_IFNAME=eth0"]
+    assert check_env.gloo_interface(report, "127.0.0.1") == ["env", "GLOO_SOCKET_IFNAME=lo"]
+    assert check_env.gloo_interface(report, "192.168.9.9") == []  # on no interface: gloo's own choice
+    report["env"] = {"GLOO_SOCKET_IFNAME": "ib0"}  # the host's own, or forwarded from here
+    assert check_env.gloo_interface(report, "10.0.0.1") == []
+
+
 def test_help_explains_the_options():
     result = run_check_env(["--help"], timeout=30)
     assert result.returncode == 0

@@ -239,9 +239,28 @@ def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start)
     assert sorted(host for host, _, _ in reports) == ["node1", "node1", "node2", "node2"]
     for _, _, rest in reports:
         assert f"PROBE_SECRET={secret} TORCH_PROBE_SECRET={torch_secret} LAUNCHER_ONLY=None" in rest
+        assert "GLOO_SOCKET_IFNAME=eth0" in rest  # the interface of the address the others reach
         assert rest.endswith(f"echo={ODD_ARG!r}")
     assert not (REPO / "x").exists() and not (REPO / "y").exists()
     assert_nothing_left(cluster, launch)
+
+
+@pytest.mark.parametrize("where", ["env-file", "host"])
+def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
+    env_file = tmp_path / "env"
+    env_file.write_text("GLOO_SOCKET_IFNAME=lo\n" if where == "env-file" else "")
+    bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
+    bashrc.write_text("export GLOO_SOCKET_IFNAME=lo\n" if where == "host" else "")
+    try:
+        launch = run_launch(
+            start, ["--log-dir", tmp_path / "logs", "--env-file", env_file,
+                    cluster.write_hostfile(tmp_path / "hosts.txt", ["node1"]), "2", "tests/dist_probe.py"],
+            launch_env(cluster), timeout=60,
+        )
+    finally:
+        bashrc.unlink()
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    assert len(re.findall(r"^node1: probe: rank=\d .*GLOO_SOCKET_IFNAME=lo ", launch.out, re.M)) == 2, launch.out
 
 
 def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, start):
@@ -518,3 +537,12 @@ def test_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path, start):
         echoes = re.findall(r"^(node\d): probe: rank=\d world_size=2 sum=1 .* echo=(.*)$", launch.out, re.M)
         assert sorted(echoes) == [("node1", repr(ODD_ARG)), ("node2", repr(ODD_ARG))], launch.out
         assert_nothing_left(odd_cluster, launch)
+
+
+def test_sigterm_to_the_whole_group_during_preflight_exits_143(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("fine\nstuck\n")
+    launch = start(["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)))
+    time.sleep(3)  # "fine" has answered; "stuck" never will
+    os.killpg(launch.pid, signal.SIGTERM)  # as timeout(1), systemd or Slurm do: its checks die too
+    assert launch.wait(10) == 143, launch.err

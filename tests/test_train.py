@@ -47,6 +47,14 @@ def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path
         assert round(row["test_accuracy"] * 101, 6) == round(row["test_accuracy"] * 101)
         assert row["samples_per_sec"] > 0
     assert result.stdout.count("start: world_size=2") == 1  # rank 0 alone prints
+    # The accuracy reported is the saved model's: one process evaluating it agrees.
+    args = train.parse_args([*TINY, "--arch", arch, "--data", str(mnist_dir)])
+    model = train.build_model(arch)
+    model.load_state_dict(torch.load(tmp_path / "rank0.pt"))
+    _, _, test_x, test_y = train.build_data(args, 0, 0, torch.device("cpu"))
+    loss, accuracy, _ = train.evaluate(model, test_x, test_y, args, torch.device("cpu"), 0, 1)
+    assert accuracy == rows[-1]["test_accuracy"]
+    assert loss == pytest.approx(rows[-1]["test_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("num_samples", [512, 101])
