@@ -80,6 +80,8 @@ def gather_report():
     A value that cannot be had is None, with the reason in report["why_missing"].
     """
     why_missing = {}
+    if "SSH_CONNECTION" not in os.environ:
+        why_missing["ssh_connection"] = "not run over SSH"
     return {
         "hostname": socket.gethostname(),
         "os": platform.platform(),
@@ -89,6 +91,9 @@ def gather_report():
         "driver": nvidia_driver_version(why_missing),
         "interfaces": ipv4_interfaces(why_missing),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
+        # "client-address client-port server-address server-port" when run over SSH: the
+        # server address is where this host was reached, and where the job will reach it.
+        "ssh_connection": os.environ.get("SSH_CONNECTION"),
         "why_missing": why_missing,
     }
 
@@ -167,7 +172,8 @@ def nvidia_driver_version(why_missing):
 
 
 def ipv4_interfaces(why_missing):
-    """[{"name": "eth0", "ipv4": "10.0.0.5/24"}, ...], with the prefix, for the subnet check.
+    """[{"name": "eth0", "ipv4": "10.0.0.5/24"}, ...], with the prefix: shown in the report,
+    and where GLOO_SOCKET_IFNAME comes from.
 
     Uses ioctls rather than `ip addr`, so it needs nothing beyond Python on the host.
     """
@@ -298,20 +304,6 @@ MUST_MATCH = [
 ]
 
 
-def common_subnet(first, other):
-    """(first's address, other's address) on a subnet they share, or None. Loopback and
-    link-local (a BMC's USB link) do not count, nor a subnet where both have the same
-    address: docker0's 172.17.0.1 on every host is each host's own."""
-    for mine in first.get("interfaces") or []:
-        for theirs in other.get("interfaces") or []:
-            a, b = ipaddress.IPv4Interface(mine["ipv4"]), ipaddress.IPv4Interface(theirs["ipv4"])
-            if a.is_loopback or a.is_link_local or a.ip == b.ip:
-                continue
-            if a.ip in b.network or b.ip in a.network:
-                return str(a.ip), str(b.ip)
-    return None
-
-
 def find_problems(labels, reports, nproc=None):
     """One line per problem, host by host. The first reachable host with torch is the reference."""
     usable = [(label, r) for label, r in zip(labels, reports) if "error" not in r and r["torch"] is not None]
@@ -345,23 +337,48 @@ def gpu_shortage(label, report, nproc, uses_gpus):
 
 
 def differences(label, report, ref_label, ref):
-    """How report differs from the reference in what must match, and whether they share a subnet."""
+    """How report differs from the reference in what must match."""
     found = []
     for name, key, normalise in MUST_MATCH:
         mine, theirs = [("missing" if v is None else normalise(v)) for v in (report[key], ref[key])]
         if mine != theirs:
             found.append(f"{label}: {name} {mine} differs from {ref_label} ({theirs})")
-    if common_subnet(ref, report) is None:
-        found.append(
-            f"{label}: no IPv4 interface in a common subnet with {ref_label} "
-            f"({label}: {addresses(report)}; {ref_label}: {addresses(ref)}); "
-            "check routing and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"
-        )
     return found
 
 
-def addresses(report):
-    return ", ".join(f"{i['name']} {i['ipv4']}" for i in report.get("interfaces") or []) or "none"
+def job_addresses(hosts, reports):
+    """(each host's address for the job, one line per problem), as launch.sh picks them.
+
+    A remote host's address is the one SSH reached it at: the other hosts reach it
+    there as this machine did, on a shared subnet or a routed network (a /32 per host)
+    alike. This machine's is the address the first remote host saw it connect from, or
+    127.0.0.1 when every host is this machine. An unreachable host has None.
+    """
+    addresses, problems, seen = [], [], {}  # seen: address -> the first host reached there
+    for host, report in zip(hosts, reports):
+        fields = (report.get("ssh_connection") or "").split()
+        address = fields[2] if len(fields) == 4 else None
+        addresses.append(address)
+        if host.is_local or "error" in report:
+            continue
+        if address is None:
+            problems.append(f"{host.entry}: its sshd sets no SSH_CONNECTION, so its address is unknown")
+        elif address.startswith("127.") or address == "::1":
+            problems.append(
+                f"{host.entry}: reached at {address} (a tunnel?): list it by an address the other hosts can reach"
+            )
+        elif address in seen:
+            problems.append(
+                f"{host.entry}: reached at {address}, as {seen[address]} is (a container's sshd?): "
+                "every host needs its own address"
+            )
+        else:
+            seen[address] = host.entry
+    clients = [
+        r["ssh_connection"].split()[0] for h, r in zip(hosts, reports) if not h.is_local and r.get("ssh_connection")
+    ]
+    this_machine = clients[0] if clients else "127.0.0.1"
+    return [this_machine if host.is_local else address for host, address in zip(hosts, addresses)], problems
 
 
 # --------------------------------------------------------------------------
@@ -488,7 +505,7 @@ def on_every_host(hosts, function):
 # --------------------------------------------------------------------------
 # All-reduce benchmark: torchrun on every host, each joining a c10d rendezvous
 # on the first host. Started here rather than through launch.sh because the
-# reports already give each node the address to use (the common subnet), and
+# reports already give each node the address to use (job_addresses), and
 # every timeout below must be set for the run to end in seconds.
 # --------------------------------------------------------------------------
 
@@ -565,15 +582,6 @@ def format_allreduce(result, nodes):
     return "\n".join(lines)
 
 
-def rendezvous_plan(hosts, reports):
-    """(rendezvous address, [each node's own address]) on the subnet each shares with the first host."""
-    if len(hosts) == 1:
-        return "127.0.0.1", ["127.0.0.1"]
-    pairs = [common_subnet(reports[0], report) for report in reports[1:]]
-    # find_problems has already refused hosts without a common subnet.
-    return pairs[0][0], [pairs[0][0]] + [theirs for _, theirs in pairs]
-
-
 def gloo_interface(report, address):
     """["env", "GLOO_SOCKET_IFNAME=<the interface holding address>"], or [] when unknown or
     already set there (report["env"] holds the host's own and the forwarded variables).
@@ -590,8 +598,9 @@ def gloo_interface(report, address):
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 
-def run_allreduce(hosts, reports, python, nproc):
-    """Run the benchmark on every host; (exit status, text to print)."""
+def run_allreduce(hosts, reports, addresses, python, nproc):
+    """Run the benchmark on every host, each node at its address from job_addresses;
+    (exit status, text to print)."""
     script = os.path.abspath(__file__)
     found = on_every_host(hosts, lambda host: run_on_host(host, ["test", "-f", script])[0] == 0)
     missing = [host.entry for host, there in zip(hosts, found) if not there]
@@ -603,7 +612,7 @@ def run_allreduce(hosts, reports, python, nproc):
     status, port, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT])
     if status != 0:
         return 1, f"{hosts[0].entry}: cannot pick a rendezvous port: {failure(hosts[0], python, status, stderr)}"
-    master, local_addrs = rendezvous_plan(hosts, reports)
+    master = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]  # IPv6
     endpoint = f"{master}:{port.strip()}"
     run_id = secrets.token_hex(4)
     commands = [
@@ -618,7 +627,7 @@ def run_allreduce(hosts, reports, python, nproc):
             f"is_host={str(node == 0).lower()}",
             f"--local-addr={addr}", script, "--allreduce-worker",
         ]
-        for node, (addr, report) in enumerate(zip(local_addrs, reports))
+        for node, (addr, report) in enumerate(zip(addresses, reports))
     ]  # fmt: skip
     outputs, failed, hung = run_nodes(hosts, commands)
     if hung:
@@ -769,7 +778,8 @@ def check_hosts(args):
     hosts = read_hosts(args.hosts)
     reports = fetch_reports(hosts, args.python)
     labels = [host.entry for host in hosts]
-    problems = find_problems(labels, reports, args.nproc)
+    addresses, address_problems = job_addresses(hosts, reports)
+    problems = find_problems(labels, reports, args.nproc) + address_problems
     if args.json:
         print(json.dumps({"hosts": dict(zip(labels, reports)), "problems": problems}, indent=2))
         return 1 if problems else 0
@@ -786,7 +796,7 @@ def check_hosts(args):
         return 0
     nproc = args.nproc or max(1, min(len(r["gpus"]) for r in reports))  # one process per GPU, or 1 on CPU
     print(f"\nall-reduce: starting torchrun on {len(hosts)} host(s) x {nproc} process(es)...", flush=True)
-    status, text = run_allreduce(hosts, reports, args.python, nproc)
+    status, text = run_allreduce(hosts, reports, addresses, args.python, nproc)
     print(text)
     return status
 

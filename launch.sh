@@ -45,8 +45,9 @@
 
 set -euo pipefail
 
+# readlink: run through a symlink (~/bin/launch.sh, say), lib/ is beside the real file.
 # shellcheck source=lib/hosts.sh
-source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hosts.sh"
+source "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/lib/hosts.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
 readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5

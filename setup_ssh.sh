@@ -26,8 +26,9 @@
 
 set -euo pipefail
 
+# readlink: run through a symlink (~/bin/setup_ssh.sh, say), lib/ is beside the real file.
 # shellcheck source=lib/hosts.sh
-source "$(dirname -- "${BASH_SOURCE[0]}")/lib/hosts.sh"
+source "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/lib/hosts.sh"
 
 # Runs on each host, in bash: reads the public key from stdin and appends it
 # to ~/.ssh/authorized_keys unless it is there already.

@@ -1,18 +1,30 @@
-"""DDP weak scaling of train.py --arch cnn: 1 process against 2 under torchrun --standalone,
-gloo, one thread each, batch 64 per process. Efficiency = thr(2) / (2 * thr(1)), where thr is
-the samples/s of all processes together; the physical limit is 1.0, the target >= 0.85.
+"""DDP weak scaling of train.py --arch cnn: 1 process against 2, gloo, one thread each,
+batch 64 per process. Efficiency = thr(2) / (2 * thr(1)), where thr is the samples/s of all
+processes together; the physical limit is 1.0, the target >= 0.85.
 
-The headline figure runs train.py itself. Below it, a harness built from train.py's own
-functions (data, model, DDP wrapper) times each step's phases on rank 0: data (index and
-normalise), forward + backward (which, under DDP, ends by waiting for the gradient
-all-reduce), and the optimizer. It runs DDP's options and a process/thread split as
-variants; "no all-reduce" steps under no_sync, so the same step without communication
-shows how much of the loss is communication and how much is two processes sharing the
-machine. On a machine with 2 or more GPUs, train.py also runs with nccl.
+The speed of a shared VM drifts: on the 2-CPU development VM, one process alone ran at
+anywhere from 2,200 to 3,900 samples/s from one minute to the next, so a 1-process run and
+a 2-process run taken one after the other can give any efficiency from 0.6 to 1.2. So:
+
+1. train.py itself runs under torchrun --standalone with 1 and with 2 processes, several
+   rounds in turn; the efficiency of each round and their spread are printed.
+2. The figure judged against the target comes from a harness built from train.py's own
+   functions (data, model, DDP wrapper), in one 2-process torchrun. Blocks of 5 steps of
+   every variant take turns, round after round, so that each 2-process block is compared
+   with a 1-process block run a fraction of a second earlier (rank 1 waits in a barrier,
+   off the CPU, while rank 0 runs alone). The median over rounds is the efficiency. Per
+   phase it shows where a step's time goes: data (index and normalise), forward + backward
+   (which, under DDP, ends by waiting for the gradient all-reduce), and the optimizer.
+   The variants: DDP's options; 1 process x 2 threads; "no all-reduce", which steps under
+   no_sync: two processes computing side by side without communicating, the ceiling this
+   machine allows; and, without DDP, one all-reduce or a mere barrier after backward,
+   which split what DDP costs into the transfer and the ranks waiting for each other.
+On a machine with 2 or more GPUs, train.py also runs with nccl.
 """
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -32,64 +44,90 @@ RESULT = "scaling-harness-result: "  # marks rank 0's line of results in torchru
 
 class Variant(NamedTuple):
     name: str
+    processes: int = 2  # 1: rank 0 steps alone while rank 1 waits in a barrier
     batch_size: int = 64
     threads: int = 1
+    # What becomes of the gradients: "ddp", all-reduced by DDP during backward; "kept",
+    # never sent (under no_sync); "all_reduce", no DDP but one dist.all_reduce of their
+    # size after backward; "barrier", kept, but the ranks wait for each other after
+    # backward, as an all-reduce makes them.
+    gradients: str = "ddp"
     ddp_options: dict = None  # None: train.wrap_ddp, exactly as train.py wraps its model
-    all_reduce: bool = True
+
+    @property
+    def uses_ddp(self):
+        return self.processes == 2 and self.gradients in ("ddp", "kept")
 
 
+ALONE = Variant("1 process (rank 1 idle), no DDP", processes=1, gradients="kept")
 TRAIN_PY_DDP = Variant("train.py's DDP")
-NO_ALL_REDUCE = Variant("no all-reduce (no_sync)", all_reduce=False)
-VARIANTS = {  # by world size
-    1: [TRAIN_PY_DDP,
-        NO_ALL_REDUCE,
-        # Same global batch as 2 processes x 64: the other way to use the second core.
-        Variant("1 process x 2 threads, batch 128", batch_size=128, threads=2)],
-    2: [TRAIN_PY_DDP,
-        NO_ALL_REDUCE,
-        Variant("gradient_as_bucket_view=False", ddp_options={"gradient_as_bucket_view": False}),
-        Variant("static_graph=True", ddp_options={"gradient_as_bucket_view": True,
-                                                  "static_graph": True}),
-        # The cnn's gradients are 82 KB, one bucket by default; ~20 KB buckets let the
-        # fc layer's all-reduce start while the convolutions' backward still runs.
-        Variant("bucket_cap_mb=0.02", ddp_options={"gradient_as_bucket_view": True,
-                                                   "bucket_cap_mb": 0.02})],
-}
+NO_ALL_REDUCE = Variant("no all-reduce (no_sync): the ceiling", gradients="kept")
+ONE_ALL_REDUCE = Variant("no DDP, one all-reduce after backward", gradients="all_reduce")
+BARRIER = Variant("no DDP, a barrier after backward", gradients="barrier")
+VARIANTS = [
+    ALONE,
+    # Same global batch as 2 processes x 64: the other way to use the second core.
+    Variant("1 process x 2 threads, batch 128", processes=1, batch_size=128, threads=2,
+            gradients="kept"),
+    TRAIN_PY_DDP,
+    NO_ALL_REDUCE,
+    ONE_ALL_REDUCE,
+    BARRIER,
+    Variant("gradient_as_bucket_view=False", ddp_options={"gradient_as_bucket_view": False}),
+    Variant("static_graph=True", ddp_options={"gradient_as_bucket_view": True,
+                                              "static_graph": True}),
+    # The cnn's gradients are 82 KB, one bucket by default; ~20 KB buckets let the fc
+    # layer's all-reduce start while the convolutions' backward still runs.
+    Variant("bucket_cap_mb=0.02", ddp_options={"gradient_as_bucket_view": True,
+                                               "bucket_cap_mb": 0.02}),
+]
 PHASES = ("data", "forward+backward", "optimizer")
 
 
 # ------------------------------------------------------------------------ harness (torchrun worker)
 
-def wrap(model, variant, device):
-    if variant.ddp_options is None:
-        return train.wrap_ddp(model, device)
-    return DDP(model, **variant.ddp_options)
+class Stepper:
+    """One variant's model and optimizer, stepped a block at a time through its own batches."""
 
+    def __init__(self, variant, train_x, train_y, order, device):
+        self.variant, self.train_x, self.train_y = variant, train_x, train_y
+        self.batches = order.split(variant.batch_size)[:-1]  # the last one may be short
+        self.next_batch = 0
+        torch.manual_seed(0)
+        model = train.build_model("cnn").to(device)
+        if not variant.uses_ddp:
+            self.model = model
+        elif variant.ddp_options is None:
+            self.model = train.wrap_ddp(model, device)
+        else:
+            self.model = DDP(model, **variant.ddp_options)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)  # as train.py
+        self.flat_gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
 
-def phase_ms(variant, train_x, train_y, order, steps, warmup, device):
-    """Mean milliseconds per step of each phase of `variant`, over `steps` steps after
-    `warmup` untimed ones (DDP settles its buckets in the first steps)."""
-    torch.set_num_threads(variant.threads)
-    torch.manual_seed(0)
-    ddp_model = wrap(train.build_model("cnn").to(device), variant, device)
-    dist.barrier()  # every rank starts the variant together
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)  # as train.py
-    totals = dict.fromkeys(PHASES, 0.0)
-    batches = order.split(variant.batch_size)[:warmup + steps]
-    for i, idx in enumerate(batches):
-        t0 = time.perf_counter()
-        x, y = train.normalize(train_x[idx]), train_y[idx]
-        t1 = time.perf_counter()
-        with contextlib.nullcontext() if variant.all_reduce else ddp_model.no_sync():
-            F.cross_entropy(ddp_model(x), y).backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if i >= warmup:
+    def block(self, steps):
+        """Mean milliseconds per step of each phase over `steps` steps."""
+        torch.set_num_threads(self.variant.threads)
+        totals = dict.fromkeys(PHASES, 0.0)
+        keep_gradients = self.variant.uses_ddp and self.variant.gradients == "kept"
+        for _ in range(steps):
+            idx = self.batches[self.next_batch % len(self.batches)]
+            self.next_batch += 1
+            t0 = time.perf_counter()
+            x, y = train.normalize(self.train_x[idx]), self.train_y[idx]
+            t1 = time.perf_counter()
+            with self.model.no_sync() if keep_gradients else contextlib.nullcontext():
+                F.cross_entropy(self.model(x), y).backward()
+            if self.variant.gradients == "all_reduce":
+                dist.all_reduce(self.flat_gradients)
+            elif self.variant.gradients == "barrier":
+                dist.barrier()
+            t2 = time.perf_counter()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
                 totals[phase] += seconds
-    return {phase: 1000 * seconds / steps for phase, seconds in totals.items()}
+        return {phase: 1000 * seconds / steps for phase, seconds in totals.items()}
 
 
 def all_reduce_ms(num_elements, calls=100):
@@ -104,18 +142,26 @@ def all_reduce_ms(num_elements, calls=100):
 
 
 def harness(root, quick):
-    """Run every variant of this world size; rank 0 prints the results as one JSON line."""
+    """Step every variant a block at a time, in turn, for several rounds; rank 0 prints
+    each variant's per-round phase times as one JSON line."""
     args = train.parse_args(["--arch", "cnn", "--dataset", "mnist", "--data", root,
                              "--no-download", "--backend", "gloo"])
     rank, local_rank, world_size, device = train.setup_distributed(args)
     torch.set_flush_denormal(True)  # as train.train does on CPU
     train_x, train_y, _, _ = train.build_data(args, rank, local_rank, device)
     order = train.epoch_order(len(train_x), 0, rank, world_size, seed=0)
-    steps, warmup = (5, 2) if quick else (150, 10)
-    results = {"variants": {}}
-    for variant in VARIANTS[world_size]:
-        results["variants"][variant.name] = phase_ms(variant, train_x, train_y, order, steps,
-                                                     warmup, device)
+    rounds, steps = (2, 3) if quick else (50, 5)
+    steppers = [Stepper(v, train_x, train_y, order, device) for v in VARIANTS]
+    for stepper in steppers:  # untimed: DDP settles its buckets in the first steps
+        if rank == 0 or stepper.variant.processes == 2:
+            stepper.block(steps)
+        dist.barrier()
+    results = {"variants": {v.name: [] for v in VARIANTS}}
+    for _ in range(rounds):
+        for stepper in steppers:
+            if rank == 0 or stepper.variant.processes == 2:
+                results["variants"][stepper.variant.name].append(stepper.block(steps))
+            dist.barrier()  # every block starts with both ranks ready
     torch.set_num_threads(1)
     num_params = sum(p.numel() for p in train.build_model("cnn").parameters())
     results["all_reduce"] = {"elements": num_params, "ms": all_reduce_ms(num_params)}
@@ -126,51 +172,76 @@ def harness(root, quick):
 
 # ----------------------------------------------------------------------------- driver
 
-def run_harness(root, nproc, quick):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", __file__, "--worker", root] + (["--quick"] if quick else [])
+def run_harness(root, quick):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           __file__, "--worker", root] + (["--quick"] if quick else [])
     out = finish(start(cmd, ONE_THREAD), timeout=300)
     line = next(line for line in out.splitlines() if line.startswith(RESULT))
     return json.loads(line[len(RESULT):])
 
 
-def samples_per_sec(variant, ms, world_size):
-    return variant.batch_size * world_size * 1000 / sum(ms.values())
+def spread(values):
+    """'median (q1 to q3)' of values: the middle half of them lies in the brackets."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{median:.2f} ({q1:.2f} to {q3:.2f})"
 
 
-def print_headline(root, steps, backend, env):
-    """train.py itself on 1 and 2 processes; returns the efficiency."""
+def print_train_py(root, rounds, steps, backend, env):
+    """train.py itself, 1 and 2 processes in turn for `rounds` rounds; returns the
+    efficiency of each round."""
     flags = ["--arch", "cnn", "--backend", backend, "--max-steps", steps]
-    thr = {n: train_samples_per_sec(root, flags, nproc=n, env=env) for n in (1, 2)}
+    rows, efficiencies = [], []
+    for round_number in range(1, rounds + 1):
+        thr = {n: train_samples_per_sec(root, flags, nproc=n, env=env) for n in (1, 2)}
+        efficiencies.append(thr[2] / (2 * thr[1]))
+        rows.append((round_number, f"{thr[1]:,.0f}", f"{thr[2]:,.0f}", f"{efficiencies[-1]:.2f}"))
     print(f"\ntrain.py --arch cnn --backend {backend}, batch 64 per process, {steps} steps"
-          f"{', 1 thread per process' if env else ''}")
-    print_table(["processes", "samples/s (all)", "samples/s per process"],
-                [(n, f"{thr[n]:,.0f}", f"{thr[n] / n:,.0f}") for n in thr])
-    return thr[2] / (2 * thr[1])
+          f"{', 1 thread per process' if env else ''}; 1 process, then 2, per round")
+    print_table(["round", "1 process: samples/s", "2 processes: samples/s (all)",
+                 "efficiency"], rows)
+    return efficiencies
 
 
 def print_harness(root, quick):
-    results = {n: run_harness(root, n, quick) for n in VARIANTS}
-    ms = {(n, v.name): results[n]["variants"][v.name] for n in VARIANTS for v in VARIANTS[n]}
-    thr = {(n, v.name): samples_per_sec(v, ms[n, v.name], n) for n in VARIANTS for v in VARIANTS[n]}
-    one_core = thr[1, TRAIN_PY_DDP.name]
-    rows = [(v.name, f"{n} x {v.threads}", v.batch_size,
-             *(f"{ms[n, v.name][p]:.2f}" for p in PHASES), f"{sum(ms[n, v.name].values()):.2f}",
-             f"{thr[n, v.name]:,.0f}",
-             f"{thr[n, v.name] / (2 * one_core):.2f}" if n * v.threads == 2 else "-")
-            for n in VARIANTS for v in VARIANTS[n]]
-    print("\nwhere the time goes: ms per step on rank 0 (harness on train.py's functions, gloo); "
-          "efficiency of the rows on 2 cores against 2x the first row")
+    """The interleaved harness; returns the median efficiency of train.py's DDP step."""
+    results = run_harness(root, quick)
+    blocks = results["variants"]  # per variant, one {phase: ms} per round
+    step_ms = {v.name: [sum(block.values()) for block in blocks[v.name]] for v in VARIANTS}
+    alone_ms = step_ms[ALONE.name]
+
+    def efficiencies(v):  # per round: thr(v) / (2 thr(alone)), both from the same round
+        return [v.batch_size * v.processes * alone / (2 * ALONE.batch_size * ms)
+                for alone, ms in zip(alone_ms, step_ms[v.name])]
+
+    rows = []
+    for v in VARIANTS:
+        median_ms = {p: statistics.median(block[p] for block in blocks[v.name]) for p in PHASES}
+        step = statistics.median(step_ms[v.name])
+        rows.append((v.name, f"{v.processes} x {v.threads}", v.batch_size,
+                     *(f"{median_ms[p]:.2f}" for p in PHASES), f"{step:.2f}",
+                     f"{v.batch_size * v.processes * 1000 / step:,.0f}",
+                     "-" if v is ALONE else spread(efficiencies(v))))
+    print(f"\nwhere the time goes: median ms per step on rank 0 over {len(alone_ms)} rounds, "
+          "each variant a block of steps in turn (harness on train.py's functions, gloo); "
+          "efficiency against 2x the first row of the same round: median (middle half)")
     print_table(["variant", "procs x threads", "batch", *PHASES, "step", "samples/s (all)",
                  "efficiency"], rows)
-    exposed = (ms[2, TRAIN_PY_DDP.name]["forward+backward"]
-               - ms[2, NO_ALL_REDUCE.name]["forward+backward"])
-    reduce = results[2]["all_reduce"]
-    print(f"all-reduce of the cnn's {reduce['elements']:,} fp32 gradients on 2 processes: "
-          f"{reduce['ms']:.2f} ms a call; exposed in train.py's step: {exposed:.2f} ms")
-    compute_only = thr[2, NO_ALL_REDUCE.name] / (2 * thr[1, NO_ALL_REDUCE.name])
-    print(f"efficiency without any all-reduce (no_sync, 2 vs 1): {compute_only:.2f}; "
-          "below 1.0, the two processes slow each other down (shared cores, caches, memory)")
+    def added_ms(v):  # per round: what v's step costs beyond the same step never communicating
+        return statistics.median(ms - kept for ms, kept in zip(step_ms[v.name],
+                                                               step_ms[NO_ALL_REDUCE.name]))
+
+    reduce = results["all_reduce"]
+    print(f"all-reduce of the cnn's {reduce['elements']:,} fp32 gradients (gloo, 2 processes), "
+          f"ms added to a step: {added_ms(TRAIN_PY_DDP):.2f} by train.py's DDP, "
+          f"{added_ms(ONE_ALL_REDUCE):.2f} by one all-reduce after backward without DDP, of "
+          f"which {added_ms(BARRIER):.2f} is the ranks waiting for each other (a barrier); "
+          f"{reduce['ms']:.2f} ms a call in a loop of nothing but all-reduces")
+    ddp = statistics.median(efficiencies(TRAIN_PY_DDP))
+    ceiling = statistics.median(efficiencies(NO_ALL_REDUCE))
+    print(f"the ceiling, 2 processes that never communicate: {ceiling:.2f}; train.py's DDP "
+          f"reaches {ddp / ceiling:.2f} of it")
+    return ddp
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__,
@@ -182,16 +253,19 @@ def main():
     if args.worker:
         return harness(args.worker, args.quick)
     print_machine()
-    steps = 10 if args.quick else 300
+    rounds, steps = (1, 10) if args.quick else (3, 200)
     with mnist_files(QUICK_TRAIN_SAMPLES if args.quick else MNIST_TRAIN_SAMPLES) as root:
-        efficiency = print_headline(root, steps, "gloo", ONE_THREAD)
-        print_harness(root, args.quick)
+        train_py = print_train_py(root, rounds, steps, "gloo", ONE_THREAD)
+        interleaved = print_harness(root, args.quick)
         if torch.cuda.device_count() >= 2:
-            print(f"nccl: efficiency {print_headline(root, steps, 'nccl', None):.2f}")
+            nccl = print_train_py(root, rounds, steps, "nccl", None)
+            print(f"nccl: efficiency {spread(nccl)}")
         else:
             print(f"nccl: not run: 2 processes need 2 GPUs, torch sees {torch.cuda.device_count()}")
-    print(f"efficiency thr(2) / (2 thr(1)) of train.py, gloo: {efficiency:.2f} "
-          f"(target >= {TARGET}): {verdict(efficiency, TARGET)}")
+    print(f"train.py run by run, gloo: efficiency {spread(train_py)} over {rounds} rounds: "
+          "separate runs, so the machine's drift is in it")
+    print(f"efficiency thr(2) / (2 thr(1)) of train.py's DDP step, interleaved, gloo: "
+          f"{interleaved:.2f} (target >= {TARGET}): {verdict(interleaved, TARGET)}")
 
 
 if __name__ == "__main__":

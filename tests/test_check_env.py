@@ -29,7 +29,7 @@ def run_check_env(args, timeout, env=None):
 REPORT_FIELDS = {
     "hostname", "os", "python", "python_executable", "torch", "torchvision",
     "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available",
-    "gpus", "driver", "interfaces", "env", "why_missing",
+    "gpus", "driver", "interfaces", "env", "ssh_connection", "why_missing",
 }  # fmt: skip
 
 
@@ -143,9 +143,11 @@ BASE = {
 
 
 def host_report(name, address, **changes):
+    """name's report, as gathered over SSH from 10.0.0.100 at address (its eth0)."""
     report = copy.deepcopy(BASE)
     report["hostname"] = name
     report["interfaces"][1]["ipv4"] = address
+    report["ssh_connection"] = f"10.0.0.100 52000 {address.split('/')[0]} 22"
     report.update(changes)
     return report
 
@@ -209,28 +211,6 @@ def three_hosts(b=None, c=None):
             ["b: unreachable: ssh: connect to host b port 22: No route to host"],
         ),
         (
-            three_hosts(c=host_report("c", "10.0.1.3/24")),
-            None,
-            [
-                "c: no IPv4 interface in a common subnet with a (c: lo 127.0.0.1/8, eth0 10.0.1.3/24; "
-                "a: lo 127.0.0.1/8, eth0 10.0.0.1/24); check routing and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"
-            ],
-        ),
-        (  # docker0 and a BMC's link-local address on every host are no network between them
-            [
-                with_interfaces(host_report(n, f"10.0.{i}.1/24"), ("docker0", "172.17.0.1/16"),
-                                ("idrac", "169.254.0.2/16"))
-                for i, n in enumerate(LABELS[:2])
-            ],
-            None,
-            [
-                "b: no IPv4 interface in a common subnet with a (b: lo 127.0.0.1/8, eth0 10.0.1.1/24, "
-                "docker0 172.17.0.1/16, idrac 169.254.0.2/16; a: lo 127.0.0.1/8, eth0 10.0.0.1/24, "
-                "docker0 172.17.0.1/16, idrac 169.254.0.2/16); check routing and NCCL_SOCKET_IFNAME / "
-                "GLOO_SOCKET_IFNAME"
-            ],
-        ),
-        (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [8, 2, 8]), 1)],
             4,
             ["b: --nproc 4 but only 2 GPU(s) visible"],
@@ -250,8 +230,6 @@ def three_hosts(b=None, c=None):
         "python-torchvision",
         "no-torch",
         "unreachable",
-        "subnet",
-        "docker0-link-local",
         "nproc-gpus",
         "gpu-cpu-mix",
         "cpu-nproc",
@@ -267,6 +245,41 @@ def test_unreachable_first_host_compares_against_the_next():
     assert check_env.find_problems(LABELS, reports) == [
         "a: unreachable: timeout",
         "c: torch 2.13.0 differs from b (2.14.1+cu130)",
+    ]
+
+
+def hosts(*entries):
+    """Host objects as read_hosts makes them; "localhost" is this machine."""
+    return [check_env.Host(e, None, e, None, e == "localhost") for e in entries]
+
+
+def test_job_addresses_are_where_ssh_reached_each_host_even_without_a_shared_subnet():
+    # A routed cluster: a /32 per host, no subnet in common, every host reachable.
+    reports = [host_report(n, f"10.1.{i}.7/32") for i, n in enumerate(LABELS)]
+    assert check_env.find_problems(LABELS, reports) == []
+    assert check_env.job_addresses(hosts(*LABELS), reports) == (["10.1.0.7", "10.1.1.7", "10.1.2.7"], [])
+
+
+def test_this_machine_is_where_the_remote_hosts_saw_it_connect_from():
+    local = host_report("here", "10.0.0.100/24", ssh_connection="192.0.2.1 40000 203.0.113.5 22")  # our own login
+    reports = [local, host_report("b", "10.0.0.2/24")]
+    assert check_env.job_addresses(hosts("localhost", "b"), reports) == (["10.0.0.100", "10.0.0.2"], [])
+    assert check_env.job_addresses(hosts("localhost"), [local]) == (["127.0.0.1"], [])
+
+
+def test_addresses_other_hosts_cannot_use_are_problems():
+    reports = [
+        host_report("a", "10.0.0.1/24"),
+        host_report("b", "10.0.0.2/24", ssh_connection="127.0.0.1 40000 127.0.0.1 2222"),
+        host_report("c", "10.0.0.3/24", ssh_connection="10.0.0.100 40001 10.0.0.1 2022"),
+        host_report("d", "10.0.0.4/24", ssh_connection=None),
+        {"error": "unreachable: timeout"},
+    ]
+    _, problems = check_env.job_addresses(hosts("a", "b", "c", "d", "e"), reports)
+    assert problems == [
+        "b: reached at 127.0.0.1 (a tunnel?): list it by an address the other hosts can reach",
+        "c: reached at 10.0.0.1, as a is (a container's sshd?): every host needs its own address",
+        "d: its sshd sets no SSH_CONNECTION, so its address is unknown",
     ]
 
 
@@ -430,7 +443,9 @@ def test_allreduce_says_so_when_check_env_is_not_on_every_host(monkeypatch, tmp_
     absent = tmp_path / "elsewhere" / "check_env.py"
     monkeypatch.setattr(check_env, "__file__", str(absent))
     local = check_env.Host("localhost", None, "localhost", None, True)
-    status, message = check_env.run_allreduce([local], [host_report("a", "10.0.0.1/24")], sys.executable, 1)
+    status, message = check_env.run_allreduce(
+        [local], [host_report("a", "10.0.0.1/24")], ["127.0.0.1"], sys.executable, 1
+    )
     assert status == 1
     assert (
         "must be at that path on every host (a shared filesystem or the same image); it is not on: localhost" in message

@@ -494,6 +494,15 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.parametrize("script", ["launch.sh", "setup_ssh.sh"])
+def test_help_through_a_symlink(tmp_path, script):
+    (tmp_path / script).symlink_to(REPO / script)  # as in ~/bin, away from lib/
+    result = subprocess.run([tmp_path / script, "--help"], capture_output=True, text=True,
+                            timeout=30, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: {script} ")
+
+
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("fine\nbox1\nbox2\ntunnel\nbare\n")
