@@ -175,7 +175,7 @@ collect_env() {
 # off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
 # in timed_out.
 run_checks() {
-  local i want_port pid timer
+  local i want_port pid deadline=$((SECONDS + PREFLIGHT_SECONDS))
   local -A pending=() # pid -> host number
   for i in "${!labels[@]}"; do
     want_port=no
@@ -184,24 +184,21 @@ run_checks() {
     "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
     pending[$!]=$i
   done
-  sleep "$PREFLIGHT_SECONDS" &
-  timer=$!
   # || true: a check may be gone already (a signal to the whole group), and
   # set -e would end this script with 1 before the exit.
-  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null || true; exit 130' INT
-  trap 'kill "$timer" "${!pending[@]}" 2>/dev/null || true; exit 143' TERM
-  while ((${#pending[@]})); do
-    pid=
-    wait -n -p pid "$timer" "${!pending[@]}" || true
-    if [[ $pid == "$timer" ]]; then
-      for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
-      kill -s KILL "${!pending[@]}" 2>/dev/null || true # a hung check may ignore TERM
-      wait "${!pending[@]}" 2>/dev/null || true # (no "Killed" notice)
-      break
-    fi
-    if [[ -n $pid ]]; then unset "pending[$pid]"; fi
+  trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 130' INT
+  trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 143' TERM
+  while ((${#pending[@]})) && ((SECONDS <= deadline)); do
+    sleep 0.1 || true # (killed by a Ctrl-C, which the trap handles)
+    for pid in "${!pending[@]}"; do
+      if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
+    done
   done
-  kill "$timer" 2>/dev/null || true
+  if ((${#pending[@]})); then
+    for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
+    kill -s KILL "${!pending[@]}" 2>/dev/null || true # a hung check may ignore TERM
+    wait "${!pending[@]}" 2>/dev/null || true # (no "Killed" notice)
+  fi
   trap - INT TERM
 }
 
@@ -301,8 +298,9 @@ start_hosts() {
     set_node_args "$i"
     build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$torchrun" \
       "${node_args[@]}"
-    "${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
-      prefix_lines "${labels[i]}" &
+    # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
+    ("${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
+      prefix_lines "${labels[i]}") &
     running[$!]=$i
     started[i]=$SECONDS
   done
@@ -328,23 +326,27 @@ on_signal() {
   stop_hosts
 }
 
-# Waits for every host; on the first failure, stops the others.
+# Waits for every host; on the first failure, stops the others. Polls rather
+# than `wait -n -p`, which needs bash 5.1 (RHEL 8 has 4.4): `wait PID` still
+# gives the status of a process that is gone.
 wait_for_hosts() {
   local pid i status
   while ((${#running[@]})); do
-    pid=
-    status=0
-    wait -n -p pid "${!running[@]}" || status=$?
-    [[ -n ${pid:-} ]] || continue # a signal interrupted the wait (and unset pid)
-    i=${running[$pid]}
-    unset "running[$pid]"
-    statuses[i]=$status
-    durations[i]=$((SECONDS - started[i]))
-    if [[ -n $stopping ]]; then stopped[i]=yes; fi
-    if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
-      first_failure=$i
-      stop_hosts
-    fi
+    sleep 0.2 || true # (killed by a Ctrl-C, which the trap handles)
+    for pid in "${!running[@]}"; do
+      if kill -0 "$pid" 2>/dev/null; then continue; fi
+      status=0
+      wait "$pid" || status=$?
+      i=${running[$pid]}
+      unset "running[$pid]"
+      statuses[i]=$status
+      durations[i]=$((SECONDS - started[i]))
+      if [[ -n $stopping ]]; then stopped[i]=yes; fi
+      if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
+        first_failure=$i
+        stop_hosts
+      fi
+    done
   done
 }
 
@@ -366,7 +368,7 @@ print_summary() {
 }
 
 main() {
-  require_bash 5 1 # wait -n -p
+  require_bash 4 4 # empty arrays under set -u
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()

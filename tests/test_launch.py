@@ -494,6 +494,27 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+# What bash added after 4.4, the version launch.sh and setup_ssh.sh require (RHEL 8's):
+# only bash 5.2 is here to run the tests, so a construct from these would pass them.
+NEWER_THAN_BASH_4_4 = {
+    r"\bwait\b.*\s-p\b": "wait -p (5.1)",
+    r"\bwait\b.*\s-f\b": "wait -f (5.0)",
+    r"\bEPOCH(SECONDS|REALTIME)\b": "$EPOCHSECONDS, $EPOCHREALTIME (5.0)",
+    r"\bSRANDOM\b": "$SRANDOM (5.1)",
+    r"\bBASH_ARGV0\b": "$BASH_ARGV0 (5.0)",
+    r"@[ULuKk]\}": "${var@U} and kin (5.1, 5.2)",
+}
+
+
+def test_scripts_use_nothing_newer_than_bash_4_4():
+    for script in ("launch.sh", "setup_ssh.sh", "lib/hosts.sh"):
+        code = [line for line in (REPO / script).read_text().splitlines()
+                if not line.lstrip().startswith("#")]
+        found = [(line.strip(), what) for line in code
+                 for pattern, what in NEWER_THAN_BASH_4_4.items() if re.search(pattern, line)]
+        assert found == [], script
+
+
 @pytest.mark.parametrize("script", ["launch.sh", "setup_ssh.sh"])
 def test_help_through_a_symlink(tmp_path, script):
     (tmp_path / script).symlink_to(REPO / script)  # as in ~/bin, away from lib/
