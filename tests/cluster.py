@@ -1,7 +1,8 @@
 """A simulated cluster of real SSH hosts for end-to-end tests.
 
 Each host is a network namespace joined to a private bridge by a veth pair,
-with its own address in a /24 that exists only inside this machine, its own
+with its own address in a /24 (or a /32 each, routed=True) that exists only
+inside this machine, its own
 hostname (UTS namespace), its own /etc/hosts (naming only itself, at 127.0.1.1
 as Debian does: hosts cannot resolve each other, so they must meet by address), /etc/passwd and /etc/shadow
 (bind-mounted by `ip netns exec` from /etc/netns/<ns>/) and its own sshd.
@@ -203,7 +204,7 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None):
+                      login_shells=None, routed=False):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -215,6 +216,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
     login_shells: {host name: root's login shell there}, e.g. /usr/bin/tcsh
         (default: this machine's, for every host). sshd runs every remote
         command through it.
+    routed: each host holds a /32 with a route to the others through eth0, as on
+        routed (L3) clusters: no two hosts share a subnet.
     """
     global _instances
     _instances += 1
@@ -235,7 +238,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
-            _start_host(host, bridge, hosts, base, password, authorize, shell)
+            _start_host(host, bridge, base, password, authorize, shell, subnet if routed else None)
         (base / "known_hosts").write_text(
             "".join(
                 f"{h.name},{h.address} {(h.dir / 'ssh_host_ed25519_key.pub').read_text()}"
@@ -272,7 +275,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _teardown(hosts.values(), bridge, base)
 
 
-def _start_host(host, bridge, hosts, base, password, authorize, login_shell):
+def _start_host(host, bridge, base, password, authorize, login_shell, routed_subnet):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -301,9 +304,12 @@ def _start_host(host, bridge, hosts, base, password, authorize, login_shell):
     veth = f"{host.netns}v"
     _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
     _sh("ip", "link", "set", veth, "master", bridge, "up")
-    _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+    prefix = 32 if routed_subnet else 24
+    _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", "eth0")
     _sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
     _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
+    if routed_subnet:
+        _sh("ip", "-n", host.netns, "route", "add", str(routed_subnet), "dev", "eth0")
 
     key = host.dir / "ssh_host_ed25519_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from cluster import cluster_fixture
+from cluster import cluster_fixture, require_prerequisites, simulated_cluster
 from test_check_env import ALLREDUCE_SIZES, REPO, allreduce_rows, run_check_env
 
 cluster = cluster_fixture(n_hosts=3)
@@ -101,6 +101,16 @@ def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(cluster,
     assert [" ".join(row[:2]) for row in rows] == ALLREDUCE_SIZES
     assert all(row[-1] == "ok" for row in rows) and float(rows[-1][4]) > 0  # busbw of 64 MiB
     assert cluster.wait_until_idle(10) == {}
+
+
+def test_allreduce_on_a_routed_network_where_no_hosts_share_a_subnet(tmp_path):
+    require_prerequisites()
+    with simulated_cluster(2, routed=True) as routed:
+        hostfile = routed.write_hostfile(tmp_path / "hosts.txt")
+        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=routed.env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
+        assert routed.wait_until_idle(10) == {}
 
 
 def test_allreduce_fails_fast_when_a_node_cannot_reach_the_rendezvous(cluster, tmp_path):
