@@ -351,8 +351,9 @@ def job_addresses(hosts, reports):
 
     A remote host's address is the one SSH reached it at: the other hosts reach it
     there as this machine did, on a shared subnet or a routed network (a /32 per host)
-    alike. This machine's is the address the first remote host saw it connect from, or
-    127.0.0.1 when every host is this machine. An unreachable host has None.
+    alike. This machine's is the address the first remote host saw it connect from
+    (which it must hold: not so behind NAT or a jump host), or 127.0.0.1 when every
+    host is this machine. An unreachable host has None.
     """
     addresses, problems, seen = [], [], {}  # seen: address -> the first host reached there
     for host, report in zip(hosts, reports):
@@ -378,6 +379,13 @@ def job_addresses(hosts, reports):
         r["ssh_connection"].split()[0] for h, r in zip(hosts, reports) if not h.is_local and r.get("ssh_connection")
     ]
     this_machine = clients[0] if clients else "127.0.0.1"
+    for host, report in zip(hosts, reports):
+        held = [i["ipv4"].split("/")[0] for i in report.get("interfaces") or []]
+        if host.is_local and clients and ":" not in this_machine and this_machine not in held:
+            problems.append(
+                f"{host.entry}: the other hosts see this machine as {this_machine}, which it does not hold "
+                "(NAT or a jump host?): they cannot reach it there"
+            )
     return [this_machine if host.is_local else address for host, address in zip(hosts, addresses)], problems
 
 

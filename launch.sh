@@ -45,9 +45,11 @@
 
 set -euo pipefail
 
-# readlink: run through a symlink (~/bin/launch.sh, say), lib/ is beside the real file.
+# Through a symlink (~/bin/launch.sh, say), lib/ is beside the real file. BSD
+# readlink before macOS 12.3 has no -f: then the path it was called by.
+THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_SOURCE[0]}
 # shellcheck source=lib/hosts.sh
-source "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/lib/hosts.sh"
+source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
 readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5
@@ -188,11 +190,12 @@ run_checks() {
   # set -e would end this script with 1 before the exit.
   trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 130' INT
   trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 143' TERM
-  while ((${#pending[@]})) && ((SECONDS <= deadline)); do
-    sleep 0.1 || true # (killed by a Ctrl-C, which the trap handles)
+  while :; do
     for pid in "${!pending[@]}"; do
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
     done
+    if ((${#pending[@]} == 0 || SECONDS > deadline)); then break; fi
+    sleep 0.1 || true # (killed by a Ctrl-C, which the trap handles)
   done
   if ((${#pending[@]})); then
     for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
@@ -244,6 +247,11 @@ preflight() {
         if [[ -n $report ]]; then reports[i]=$report; fi
         seen[${addresses[i]}]=$i
       fi
+    fi
+  done
+  for i in "${!labels[@]}"; do
+    if [[ -n ${local_node[i]} && -n $client && " $(hostname -I 2>/dev/null) " != *" $client "* ]]; then
+      reports[i]="the other hosts see this machine as $client, which it does not hold (NAT or a jump host?): they cannot reach it there"
     fi
   done
   if ((${#reports[@]})); then

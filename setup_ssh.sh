@@ -26,9 +26,11 @@
 
 set -euo pipefail
 
-# readlink: run through a symlink (~/bin/setup_ssh.sh, say), lib/ is beside the real file.
+# Through a symlink (~/bin/setup_ssh.sh, say), lib/ is beside the real file. BSD
+# readlink before macOS 12.3 has no -f: then the path it was called by.
+THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_SOURCE[0]}
 # shellcheck source=lib/hosts.sh
-source "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/lib/hosts.sh"
+source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 
 # Runs on each host, in bash: reads the public key from stdin and appends it
 # to ~/.ssh/authorized_keys unless it is there already.

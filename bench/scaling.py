@@ -142,8 +142,8 @@ def all_reduce_ms(num_elements, calls=100):
 
 
 def harness(root, quick):
-    """Step every variant a block at a time, in turn, for several rounds; rank 0 prints
-    each variant's per-round phase times as one JSON line."""
+    """Step every variant a block at a time, in turn, for several rounds; rank 0 prints,
+    as one JSON line, each variant's per-round block time per step and its own phases."""
     args = train.parse_args(["--arch", "cnn", "--dataset", "mnist", "--data", root,
                              "--no-download", "--backend", "gloo"])
     rank, local_rank, world_size, device = train.setup_distributed(args)
@@ -159,9 +159,12 @@ def harness(root, quick):
     results = {"variants": {v.name: [] for v in VARIANTS}}
     for _ in range(rounds):
         for stepper in steppers:
-            if rank == 0 or stepper.variant.processes == 2:
-                results["variants"][stepper.variant.name].append(stepper.block(steps))
-            dist.barrier()  # every block starts with both ranks ready
+            dist.barrier()  # every block starts with both ranks ready...
+            start_time = time.perf_counter()
+            phases = stepper.block(steps) if rank == 0 or stepper.variant.processes == 2 else None
+            dist.barrier()  # ...and lasts until both are done: the slower rank's time
+            step = 1000 * (time.perf_counter() - start_time) / steps
+            results["variants"][stepper.variant.name].append({"phases": phases, "step": step})
     torch.set_num_threads(1)
     num_params = sum(p.numel() for p in train.build_model("cnn").parameters())
     results["all_reduce"] = {"elements": num_params, "ms": all_reduce_ms(num_params)}
@@ -205,8 +208,8 @@ def print_train_py(root, rounds, steps, backend, env):
 def print_harness(root, quick):
     """The interleaved harness; returns the median efficiency of train.py's DDP step."""
     results = run_harness(root, quick)
-    blocks = results["variants"]  # per variant, one {phase: ms} per round
-    step_ms = {v.name: [sum(block.values()) for block in blocks[v.name]] for v in VARIANTS}
+    blocks = results["variants"]  # per variant, one {"phases": {phase: ms}, "step": ms} per round
+    step_ms = {v.name: [block["step"] for block in blocks[v.name]] for v in VARIANTS}
     alone_ms = step_ms[ALONE.name]
 
     def efficiencies(v):  # per round: thr(v) / (2 thr(alone)), both from the same round
@@ -215,17 +218,19 @@ def print_harness(root, quick):
 
     rows = []
     for v in VARIANTS:
-        median_ms = {p: statistics.median(block[p] for block in blocks[v.name]) for p in PHASES}
+        median_ms = {p: statistics.median(b["phases"][p] for b in blocks[v.name]) for p in PHASES}
         step = statistics.median(step_ms[v.name])
         rows.append((v.name, f"{v.processes} x {v.threads}", v.batch_size,
                      *(f"{median_ms[p]:.2f}" for p in PHASES), f"{step:.2f}",
                      f"{v.batch_size * v.processes * 1000 / step:,.0f}",
                      "-" if v is ALONE else spread(efficiencies(v))))
-    print(f"\nwhere the time goes: median ms per step on rank 0 over {len(alone_ms)} rounds, "
-          "each variant a block of steps in turn (harness on train.py's functions, gloo); "
-          "efficiency against 2x the first row of the same round: median (middle half)")
+    print(f"\nwhere the time goes: median ms per step over {len(alone_ms)} rounds, each variant "
+          "a block of steps in turn (harness on train.py's functions, gloo); the phases are "
+          "rank 0's, the step is the block's wall time until both ranks are done; efficiency "
+          "against 2x the first row of the same round: median (middle half)")
     print_table(["variant", "procs x threads", "batch", *PHASES, "step", "samples/s (all)",
                  "efficiency"], rows)
+
     def added_ms(v):  # per round: what v's step costs beyond the same step never communicating
         return statistics.median(ms - kept for ms, kept in zip(step_ms[v.name],
                                                                step_ms[NO_ALL_REDUCE.name]))
@@ -233,9 +238,9 @@ def print_harness(root, quick):
     reduce = results["all_reduce"]
     print(f"all-reduce of the cnn's {reduce['elements']:,} fp32 gradients (gloo, 2 processes), "
           f"ms added to a step: {added_ms(TRAIN_PY_DDP):.2f} by train.py's DDP, "
-          f"{added_ms(ONE_ALL_REDUCE):.2f} by one all-reduce after backward without DDP, of "
-          f"which {added_ms(BARRIER):.2f} is the ranks waiting for each other (a barrier); "
-          f"{reduce['ms']:.2f} ms a call in a loop of nothing but all-reduces")
+          f"{added_ms(ONE_ALL_REDUCE):.2f} by one all-reduce after backward without DDP, "
+          f"{added_ms(BARRIER):.2f} by a mere barrier there (the ranks waiting for each "
+          f"other); {reduce['ms']:.2f} ms a call in a loop of nothing but all-reduces")
     ddp = statistics.median(efficiencies(TRAIN_PY_DDP))
     ceiling = statistics.median(efficiencies(NO_ALL_REDUCE))
     print(f"the ceiling, 2 processes that never communicate: {ceiling:.2f}; train.py's DDP "

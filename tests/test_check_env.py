@@ -267,6 +267,15 @@ def test_this_machine_is_where_the_remote_hosts_saw_it_connect_from():
     assert check_env.job_addresses(hosts("localhost"), [local]) == (["127.0.0.1"], [])
 
 
+def test_this_machine_behind_nat_or_a_jump_host_is_a_problem():
+    local = host_report("here", "192.168.1.5/24")  # the hosts see 10.0.0.100 connect
+    _, problems = check_env.job_addresses(hosts("localhost", "b"), [local, host_report("b", "10.0.0.2/24")])
+    assert problems == [
+        "localhost: the other hosts see this machine as 10.0.0.100, which it does not hold "
+        "(NAT or a jump host?): they cannot reach it there"
+    ]
+
+
 def test_addresses_other_hosts_cannot_use_are_problems():
     reports = [
         host_report("a", "10.0.0.1/24"),

@@ -494,11 +494,15 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
-# What bash added after 4.4, the version launch.sh and setup_ssh.sh require (RHEL 8's):
-# only bash 5.2 is here to run the tests, so a construct from these would pass them.
+# What bash added after 4.4 (the version launch.sh and setup_ssh.sh require, RHEL 8's)
+# that a script is likely to use: only bash 5.2 is here to run the tests, so a construct
+# from these would pass them. A list, so it catches these and nothing else.
 NEWER_THAN_BASH_4_4 = {
-    r"\bwait\b.*\s-p\b": "wait -p (5.1)",
-    r"\bwait\b.*\s-f\b": "wait -f (5.0)",
+    r"\bwait(\s+-\w+)*\s+-\w*p": "wait -p (5.1)",
+    r"\bwait(\s+-\w+)*\s+-\w*f": "wait -f (5.0)",
+    r"\bwait\s+-n\s+[\"$%0-9]": "wait -n ID (5.1: 4.4 ignores the ID and waits for any job)",
+    r"\b(localvar_inherit|localvar_unset|assoc_expand_once|noexpand_translation|"
+    r"patsub_replacement|varredir_close|globskipdots)\b": "a shopt option of bash 5",
     r"\bEPOCH(SECONDS|REALTIME)\b": "$EPOCHSECONDS, $EPOCHREALTIME (5.0)",
     r"\bSRANDOM\b": "$SRANDOM (5.1)",
     r"\bBASH_ARGV0\b": "$BASH_ARGV0 (5.0)",
@@ -537,6 +541,19 @@ def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start)
     assert "127.0.0.1 (a tunnel?)" in failed["tunnel"]
     assert "no SSH_CONNECTION" in failed["bare"]
     assert launch.out == ""
+
+
+def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_address(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\nfine\n")  # fine sees this machine connect from 10.9.0.1
+    launch = run_launch(
+        start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)), timeout=30
+    )
+    assert launch.proc.returncode == 1, launch.out + launch.err
+    assert launch.err.splitlines()[1:] == [
+        "  localhost  the other hosts see this machine as 10.9.0.1, which it does not hold "
+        "(NAT or a jump host?): they cannot reach it there"
+    ], launch.err
 
 
 def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
