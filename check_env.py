@@ -26,6 +26,7 @@ report, so a host without torch is reported, not crashed on.
 """
 
 import argparse
+import errno
 import ipaddress
 import json
 import os
@@ -346,6 +347,18 @@ def differences(label, report, ref_label, ref):
     return found
 
 
+def holds_address(address):
+    """Whether this machine holds address (IPv4 or IPv6, on any interface); True when
+    it cannot tell."""
+    address = address.removeprefix("::ffff:")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        return exc.errno != errno.EADDRNOTAVAIL
+    return True
+
+
 def job_addresses(hosts, reports):
     """(each host's address for the job, one line per problem), as launch.sh picks them.
 
@@ -380,8 +393,7 @@ def job_addresses(hosts, reports):
     ]
     this_machine = clients[0] if clients else "127.0.0.1"
     for host, report in zip(hosts, reports):
-        held = [i["ipv4"].split("/")[0] for i in report.get("interfaces") or []]
-        if host.is_local and clients and ":" not in this_machine and this_machine not in held:
+        if host.is_local and "error" not in report and clients and not holds_address(this_machine):
             problems.append(
                 f"{host.entry}: the other hosts see this machine as {this_machine}, which it does not hold "
                 "(NAT or a jump host?): they cannot reach it there"

@@ -223,6 +223,17 @@ address_problem() {
   esac
 }
 
+# Whether this machine holds address $1 (secondary and loopback addresses
+# included); true when it cannot tell.
+holds_address() {
+  local address=${1#::ffff:} found
+  if found=$(ip -o addr show to "$address" 2>/dev/null); then
+    [[ -n $found ]]
+  elif found=$(hostname -I 2>/dev/null); then
+    [[ " $found " == *" $address "* ]]
+  fi
+}
+
 # Checks every host; fills addresses and port, or prints a table of the hosts
 # that failed and exits 1.
 preflight() {
@@ -250,7 +261,7 @@ preflight() {
     fi
   done
   for i in "${!labels[@]}"; do
-    if [[ -n ${local_node[i]} && -n $client && " $(hostname -I 2>/dev/null) " != *" $client "* ]]; then
+    if [[ -n ${local_node[i]} && -z ${reports[i]:-} && -n $client ]] && ! holds_address "$client"; then
       reports[i]="the other hosts see this machine as $client, which it does not hold (NAT or a jump host?): they cannot reach it there"
     fi
   done

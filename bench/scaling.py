@@ -4,15 +4,16 @@ processes together; the physical limit is 1.0, the target >= 0.85.
 
 The speed of a shared VM drifts: on the 2-CPU development VM, one process alone ran at
 anywhere from 2,200 to 3,900 samples/s from one minute to the next, so a 1-process run and
-a 2-process run taken one after the other can give any efficiency from 0.6 to 1.2. So:
+a 2-process run taken one after the other gave efficiencies from 0.53 to 1.19 there. So:
 
 1. train.py itself runs under torchrun --standalone with 1 and with 2 processes, several
-   rounds in turn; the efficiency of each round and their spread are printed.
+   rounds in turn; the efficiency of each round, their median and range are printed.
 2. The figure judged against the target comes from a harness built from train.py's own
    functions (data, model, DDP wrapper), in one 2-process torchrun. Blocks of 5 steps of
    every variant take turns, round after round, so that each 2-process block is compared
    with a 1-process block run a fraction of a second earlier (rank 1 waits in a barrier,
-   off the CPU, while rank 0 runs alone). The median over rounds is the efficiency. Per
+   off the CPU, while rank 0 runs alone). A block lasts until both ranks are done. The
+   median over rounds is the efficiency. Per
    phase it shows where a step's time goes: data (index and normalise), forward + backward
    (which, under DDP, ends by waiting for the gradient all-reduce), and the optimizer.
    The variants: DDP's options; 1 process x 2 threads; "no all-reduce", which steps under

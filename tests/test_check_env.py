@@ -260,14 +260,21 @@ def test_job_addresses_are_where_ssh_reached_each_host_even_without_a_shared_sub
     assert check_env.job_addresses(hosts(*LABELS), reports) == (["10.1.0.7", "10.1.1.7", "10.1.2.7"], [])
 
 
-def test_this_machine_is_where_the_remote_hosts_saw_it_connect_from():
+def test_this_machine_is_where_the_remote_hosts_saw_it_connect_from(monkeypatch):
+    monkeypatch.setattr(check_env, "holds_address", lambda address: address == "10.0.0.100")
     local = host_report("here", "10.0.0.100/24", ssh_connection="192.0.2.1 40000 203.0.113.5 22")  # our own login
     reports = [local, host_report("b", "10.0.0.2/24")]
     assert check_env.job_addresses(hosts("localhost", "b"), reports) == (["10.0.0.100", "10.0.0.2"], [])
     assert check_env.job_addresses(hosts("localhost"), [local]) == (["127.0.0.1"], [])
 
 
-def test_this_machine_behind_nat_or_a_jump_host_is_a_problem():
+def test_holds_address_knows_this_machines_addresses():
+    assert check_env.holds_address("127.0.0.1") and check_env.holds_address("::ffff:127.0.0.1")
+    assert not check_env.holds_address("192.0.2.1")  # TEST-NET-1: nobody's
+
+
+def test_this_machine_behind_nat_or_a_jump_host_is_a_problem(monkeypatch):
+    monkeypatch.setattr(check_env, "holds_address", lambda address: False)
     local = host_report("here", "192.168.1.5/24")  # the hosts see 10.0.0.100 connect
     _, problems = check_env.job_addresses(hosts("localhost", "b"), [local, host_report("b", "10.0.0.2/24")])
     assert problems == [
