@@ -369,6 +369,7 @@ def job_addresses(hosts, reports):
     host is this machine. An unreachable host has None.
     """
     addresses, problems, seen = [], [], {}  # seen: address -> the first host reached there
+    client = None  # this machine, as the first remote host saw it
     for host, report in zip(hosts, reports):
         fields = (report.get("ssh_connection") or "").split()
         address = fields[2] if len(fields) == 4 else None
@@ -388,16 +389,15 @@ def job_addresses(hosts, reports):
             )
         else:
             seen[address] = host.entry
-    clients = [
-        r["ssh_connection"].split()[0] for h, r in zip(hosts, reports) if not h.is_local and r.get("ssh_connection")
-    ]
-    this_machine = clients[0] if clients else "127.0.0.1"
-    for host, report in zip(hosts, reports):
-        if host.is_local and "error" not in report and clients and not holds_address(this_machine):
-            problems.append(
-                f"{host.entry}: the other hosts see this machine as {this_machine}, which it does not hold "
-                "(NAT or a jump host?): they cannot reach it there"
-            )
+        client = client or (fields[0] if address else None)
+    if client and not holds_address(client):
+        problems += [
+            f"{host.entry}: the other hosts see this machine as {client}, which it does not hold "
+            "(NAT or a jump host?): they cannot reach it there"
+            for host, report in zip(hosts, reports)
+            if host.is_local and "error" not in report
+        ]
+    this_machine = client or "127.0.0.1"
     return [this_machine if host.is_local else address for host, address in zip(hosts, addresses)], problems
 
 

@@ -260,11 +260,13 @@ preflight() {
       fi
     fi
   done
-  for i in "${!labels[@]}"; do
-    if [[ -n ${local_node[i]} && -z ${reports[i]:-} && -n $client ]] && ! holds_address "$client"; then
-      reports[i]="the other hosts see this machine as $client, which it does not hold (NAT or a jump host?): they cannot reach it there"
-    fi
-  done
+  if [[ -n $client ]] && ! holds_address "$client"; then
+    for i in "${!labels[@]}"; do
+      if [[ -n ${local_node[i]} && -z ${reports[i]:-} ]]; then
+        reports[i]="the other hosts see this machine as $client, which it does not hold (NAT or a jump host?): they cannot reach it there"
+      fi
+    done
+  fi
   if ((${#reports[@]})); then
     echo "launch.sh: preflight failed, nothing was started:" >&2
     for i in "${!reports[@]}"; do

@@ -168,7 +168,7 @@ def harness(root, quick):
             step = 1000 * (time.perf_counter() - start_time) / steps
             results["variants"][stepper.variant.name].append({"phases": phases, "step": step})
     torch.set_num_threads(1)
-    num_params = sum(p.numel() for p in train.build_model("cnn").parameters())
+    num_params = steppers[0].flat_gradients.numel()
     results["all_reduce"] = {"elements": num_params, "ms": all_reduce_ms(num_params)}
     if rank == 0:
         print(RESULT + json.dumps(results), flush=True)

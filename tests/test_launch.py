@@ -22,6 +22,7 @@ TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
 ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
 LOGIN_SHELLS = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
 LONG_TRAIN = [*TRAIN, "--epochs", "1000", "--log-every", "5"]  # runs until stopped
+SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh")
 
 cluster = cluster_fixture(n_hosts=3)
 
@@ -420,7 +421,6 @@ def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
     assert_no_local_job_process(launch)
 
 
-
 def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
     launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
@@ -488,8 +488,7 @@ def test_shellcheck():
         if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
             pytest.fail("shellcheck not installed (REQUIRE_CLUSTER_TESTS=1)")
         pytest.skip("shellcheck not installed")
-    scripts = [REPO / "launch.sh", REPO / "setup_ssh.sh", REPO / "lib" / "hosts.sh"]
-    result = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True,
+    result = subprocess.run(["shellcheck", "-x", *SHELL_SCRIPTS], capture_output=True, text=True,
                             timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout
 
@@ -511,7 +510,7 @@ NEWER_THAN_BASH_4_4 = {
 
 
 def test_scripts_use_nothing_newer_than_bash_4_4():
-    for script in ("launch.sh", "setup_ssh.sh", "lib/hosts.sh"):
+    for script in SHELL_SCRIPTS:
         code = [line for line in (REPO / script).read_text().splitlines()
                 if not line.lstrip().startswith("#")]
         found = [(line.strip(), what) for line in code
