@@ -305,6 +305,16 @@ MUST_MATCH = [
 ]
 
 
+# torchrun before 2.5 sends the workers to rank 0's host name (socket.getfqdn()), not to
+# the address given as --local-addr: hosts that cannot resolve each other's names hang.
+MULTI_NODE_TORCH = (2, 5)
+
+
+def torch_older_than(version, minimum):
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return (int(major), int(minor)) < minimum
+
+
 def find_problems(labels, reports, nproc=None):
     """One line per problem, host by host. The first reachable host with torch is the reference."""
     usable = [(label, r) for label, r in zip(labels, reports) if "error" not in r and r["torch"] is not None]
@@ -318,6 +328,11 @@ def find_problems(labels, reports, nproc=None):
             why = report["why_missing"]["torch"]
             problems.append(f"{label}: torch {why} (interpreter {report['python_executable']})")
         else:
+            if len(reports) > 1 and torch_older_than(report["torch"], MULTI_NODE_TORCH):
+                problems.append(
+                    f"{label}: torch {report['torch']} is too old for multi-node jobs: before 2.5, "
+                    "torchrun sends workers to rank 0's host name, not its address (upgrade torch)"
+                )
             if "gpus" in report["why_missing"]:
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:

@@ -119,6 +119,10 @@ def setup_distributed(args):
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has "
+                             f"{torch.cuda.device_count()} GPU(s) visible: run at most that many "
+                             "processes per node")
         # Fix: the pattern never called set_device, so NCCL put every process's
         # buffers on GPU 0. It must come before init_process_group.
         device = torch.device("cuda", local_rank)

@@ -1,6 +1,8 @@
 """Memory: peak resident memory of one rank, counting every process the rank owns (its
 DataLoader workers included), for train.py against the documented pattern (8 workers).
-Target (issue 5): train.py <= 1/4 of the pattern, on CPU.
+Target (issue 5): train.py <= 1/4 of the pattern, on CPU. On a GPU machine too, every run
+is on the CPU (CUDA hidden): on a GPU, train.py's data set would leave host memory, and
+RSS would count CUDA's libraries instead.
 
 Each runs alone, one process as one rank (a world of one, no torchrun: the launcher is
 shared by a node's ranks), the same cnn and the same MNIST-format files, while psutil
@@ -17,6 +19,7 @@ Both are measured; the ratio is judged against this Python's default.
 """
 import argparse
 import multiprocessing
+import os
 import sys
 import time
 
@@ -79,6 +82,7 @@ def main():
     p.add_argument("--pattern-rank", metavar="DATA", help=argparse.SUPPRESS)
     p.add_argument("--start-method", choices=START_METHODS, help=argparse.SUPPRESS)
     args = p.parse_args()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA; children inherit it
     steps = QUICK_STEPS if args.quick else STEPS
     device = bench_device()
     if args.pattern_rank:

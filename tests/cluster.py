@@ -146,8 +146,10 @@ class Cluster:
         return self._hosts[name].address
 
     def env(self, **extra):
-        """os.environ plus SSH_COMMAND for this cluster, plus extra."""
-        return {**os.environ, "SSH_COMMAND": self.ssh_command, **extra}
+        """os.environ plus SSH_COMMAND for this cluster, plus extra. The hosts share this
+        machine's GPUs, which nccl will not give two ranks: CUDA_VISIBLE_DEVICES="" (which
+        launch.sh and check_env.py forward to every host) keeps their jobs on the CPU."""
+        return {**os.environ, "SSH_COMMAND": self.ssh_command, "CUDA_VISIBLE_DEVICES": "", **extra}
 
     def write_hostfile(self, path, hosts=None):
         """Write a hosts file listing hosts (default: all) one per line."""

@@ -1,4 +1,5 @@
 """Shared helpers for the tests: run a command with a hard timeout, and tiny MNIST files."""
+import json
 import os
 import signal
 import struct
@@ -13,10 +14,13 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
 
 
-def run(cmd, timeout=120, **kwargs):
+def run(cmd, timeout=120, gpus=False, **kwargs):
     """Run cmd in its own process group; on timeout stop the whole group and fail the test,
-    so a hang (torchrun and all of its workers) never outlives the test."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+    so a hang (torchrun and all of its workers) never outlives the test. The GPUs stay
+    hidden unless gpus=True: the tests are of the CPU and gloo path, and on a machine with
+    one GPU their two-rank runs would pick nccl and fail."""
+    hidden = {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **hidden, **kwargs.pop("env", {})}
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env, **kwargs)
     try:
@@ -35,6 +39,20 @@ def run(cmd, timeout=120, **kwargs):
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def load(path):
+    """A checkpoint train.py wrote, on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def metrics(path):
+    """The rows of a --metrics file."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def torchrun(nproc, *args, script=TRAIN, **kwargs):

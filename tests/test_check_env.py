@@ -222,6 +222,14 @@ def three_hosts(b=None, c=None):
         ),
         # Without GPUs the job runs on CPU, where any --nproc is fine.
         (three_hosts(), 16, []),
+        (
+            [host_report(n, f"10.0.0.{i}/24", torch="2.4.1+cu121") for i, n in enumerate(LABELS[:2], 1)],
+            None,
+            [f"{n}: torch 2.4.1+cu121 is too old for multi-node jobs: before 2.5, torchrun sends "
+             "workers to rank 0's host name, not its address (upgrade torch)" for n in LABELS[:2]],
+        ),
+        # One host needs no rendezvous across the network.
+        ([host_report("a", "10.0.0.1/24", torch="2.4.1")], None, []),
     ],
     ids=[
         "match",
@@ -233,10 +241,12 @@ def three_hosts(b=None, c=None):
         "nproc-gpus",
         "gpu-cpu-mix",
         "cpu-nproc",
+        "old-torch",
+        "old-torch-one-host",
     ],
 )
 def test_find_problems(reports, nproc, expected):
-    assert check_env.find_problems(LABELS, reports, nproc) == expected
+    assert check_env.find_problems(LABELS[: len(reports)], reports, nproc) == expected
 
 
 def test_unreachable_first_host_compares_against_the_next():

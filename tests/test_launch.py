@@ -28,14 +28,13 @@ cluster = cluster_fixture(n_hosts=3)
 
 
 def launch_env(cluster=None, **extra):
-    """Environment for launch.sh: this python's torchrun first on PATH."""
+    """Environment for launch.sh: this python's torchrun first on PATH, and the jobs on
+    the CPU (launch.sh forwards CUDA_VISIBLE_DEVICES), as cluster.env() says why."""
     env = {
-        **os.environ,
+        **(cluster.env() if cluster else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "OMP_NUM_THREADS": "1",
     }
-    if cluster:
-        env["SSH_COMMAND"] = cluster.ssh_command
     return {**env, **extra}
 
 
@@ -413,8 +412,7 @@ def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
         launch_env(cluster),
     )
     assert launch.proc.returncode == 0, launch.out + launch.err
-    for host in hosts:
-        assert re.search(rf"^{host}: ", launch.out, re.M), f"no line from {host}"
+    for host in hosts:  # (only rank 0 prints, and torchrun's own output varies by version)
         assert re.search(rf"^  {host} +0 ", launch.err, re.M), f"{host} not in the summary"
     assert re.search(r"^(localhost|node1): start: world_size=2 backend=gloo", launch.out, re.M)
     assert_nothing_left(cluster, launch)

@@ -1,29 +1,16 @@
 """train.py on CPU with gloo: one process, and two or three under torchrun."""
-import json
 import shutil
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, run, torchrun
+from conftest import REPO, TRAIN, assert_ok, load, metrics, run, torchrun
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 
 TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def metrics(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def assert_ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
 def assert_same_tensors(a, b):
