@@ -25,6 +25,11 @@ Needs Python 3.10+ and the standard library; torch is imported only inside the
 report, so a host without torch is reported, not crashed on.
 """
 
+import sys
+
+if sys.version_info < (3, 10):  # say so, where `--python python3` finds an old one
+    sys.exit(f"check_env.py needs Python 3.10 or newer, and this is {'.'.join(map(str, sys.version_info[:3]))}")
+
 import argparse
 import errno
 import ipaddress
@@ -38,7 +43,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

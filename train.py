@@ -91,7 +91,8 @@ def parse_args(argv=None):
                    help="mixed precision; fp16 uses a gradient scaler, bf16 needs none")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="process group backend; auto is nccl on CUDA, gloo on CPU")
+                   help="process group backend; auto is nccl on CUDA, gloo on CPU "
+                        "(gloo trains on the CPU even where there are GPUs)")
     p.add_argument("--timeout", type=positive_int, default=300,
                    help="seconds a collective may wait for a peer before the job fails")
     p.add_argument("--checkpoint-dir", default=None,

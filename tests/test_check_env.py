@@ -409,6 +409,21 @@ def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
     assert f"localhost: cannot run {tmp_path / 'no-python'}: not found" in result.stdout
 
 
+def test_too_old_interpreter_is_named_not_a_traceback(tmp_path):
+    # Python 3.8 as Ubuntu 20.04's python3, where the report would crash on `str | None`.
+    old_python = tmp_path / "python3.8"
+    old_python.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.version_info = (3, 8, 18); "
+        "sys.argv.pop(0); exec(sys.stdin.read())' \"$@\"\n")  # argv as `python - ARGS` has it
+    old_python.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    result = run_check_env(["--hosts", str(hostfile), "--python", str(old_python)], timeout=30)
+    assert result.returncode == 1
+    assert (f"localhost: {old_python} failed with exit status 1: check_env.py needs Python 3.10 "
+            "or newer, and this is 3.8.18") in result.stdout
+
+
 # --------------------------------------------------------------------------
 # All-reduce
 # --------------------------------------------------------------------------

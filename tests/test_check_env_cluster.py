@@ -45,7 +45,8 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
         assert report["hostname"] == name  # really gathered there, not here
         assert report["torch"] == torch.__version__
         assert {"name": "eth0", "ipv4": f"{cluster.address(name)}/24"} in report["interfaces"]
-        assert report["env"] == {"NCCL_DEBUG": "WARN"}  # forwarded as launch.sh does; MASTER_PORT not
+        # Forwarded as launch.sh does (cluster.env() hides the GPUs); MASTER_PORT not.
+        assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @contextmanager

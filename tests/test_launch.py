@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
+from conftest import REPO, load
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
 ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
@@ -474,8 +474,8 @@ def test_restart_resumes_exactly(cluster, tmp_path, start):
     os.kill(victim, signal.SIGKILL)
     assert launch.wait(120) == 0, launch.out + launch.err
     assert re.search(r"^node\d: resumed from .* step [1-9]", launch.out, re.M), launch.out
-    expected = torch.load(tmp_path / "a" / "last.pt", weights_only=False)["model"]
-    actual = torch.load(tmp_path / "b" / "last.pt", weights_only=False)["model"]
+    expected = load(tmp_path / "a" / "last.pt")["model"]
+    actual = load(tmp_path / "b" / "last.pt")["model"]
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
     assert_nothing_left(cluster, launch)

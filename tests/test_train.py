@@ -24,7 +24,7 @@ def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path
     result = torchrun(2, tmp_path, *TINY, "--arch", arch, "--data", mnist_dir, "--epochs", "2",
                       "--metrics", tmp_path / "m.jsonl", script=REPO / "tests" / "save_every_rank.py")
     assert_ok(result)
-    assert_same_tensors(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))
+    assert_same_tensors(load(tmp_path / "rank0.pt"), load(tmp_path / "rank1.pt"))
     rows = metrics(tmp_path / "m.jsonl")  # only rank 0 writes
     assert [r["epoch"] for r in rows] == [1, 2]
     for row in rows:
@@ -37,7 +37,7 @@ def test_two_ranks_end_with_identical_weights_and_exact_eval(mnist_dir, tmp_path
     # The accuracy reported is the saved model's: one process evaluating it agrees.
     args = train.parse_args([*TINY, "--arch", arch, "--data", str(mnist_dir)])
     model = train.build_model(arch)
-    model.load_state_dict(torch.load(tmp_path / "rank0.pt"))
+    model.load_state_dict(load(tmp_path / "rank0.pt"))
     _, _, test_x, test_y = train.build_data(args, 0, 0, torch.device("cpu"))
     loss, accuracy, _ = train.evaluate(model, test_x, test_y, args, torch.device("cpu"), 0, 1)
     assert accuracy == rows[-1]["test_accuracy"]
