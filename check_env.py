@@ -309,8 +309,9 @@ MUST_MATCH = [
 ]
 
 
-# torchrun before 2.5 sends the workers to rank 0's host name (socket.getfqdn()), not to
-# the address given as --local-addr: hosts that cannot resolve each other's names hang.
+# torchrun before 2.5 sends the workers to rank 0's host name (socket.getfqdn()); later
+# ones to its --local-addr (launch.sh) or the rendezvous host (--allreduce). On hosts
+# that cannot resolve each other's names, the old way hangs.
 MULTI_NODE_TORCH = (2, 5)
 
 
@@ -333,9 +334,10 @@ def find_problems(labels, reports, nproc=None):
             problems.append(f"{label}: torch {why} (interpreter {report['python_executable']})")
         else:
             if len(reports) > 1 and torch_older_than(report["torch"], MULTI_NODE_TORCH):
+                minimum = ".".join(map(str, MULTI_NODE_TORCH))
                 problems.append(
-                    f"{label}: torch {report['torch']} is too old for multi-node jobs: before 2.5, "
-                    "torchrun sends workers to rank 0's host name, not its address (upgrade torch)"
+                    f"{label}: torch {report['torch']} is older than {minimum}: its torchrun sends "
+                    f"workers to rank 0's host name, which every host must then resolve (upgrade torch)"
                 )
             if "gpus" in report["why_missing"]:
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
@@ -566,13 +568,10 @@ def allreduce_worker():
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         device_id=device if backend == "nccl" else None,  # binds NCCL to this rank's GPU
     )
-    try:
-        rows = [time_allreduce(size, device, rank, world) for size in ALLREDUCE_SIZES]
-        if rank == 0:
-            result = {"backend": backend, "world_size": world, "rows": rows}
-            print(RESULT_MARKER + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
+    rows = [time_allreduce(size, device, rank, world) for size in ALLREDUCE_SIZES]
+    if rank == 0:
+        result = {"backend": backend, "world_size": world, "rows": rows}
+        print(RESULT_MARKER + json.dumps(result), flush=True)
 
 
 def time_allreduce(size, device, rank, world):
@@ -844,9 +843,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.allreduce_worker:
         allreduce_worker()
-        # Done, and the process group destroyed. Skip the interpreter's C++ teardown, as
-        # train.py does: with gloo, torch 2.14 aborts there now and then ("terminate called
-        # without an active exception"), and torchrun would fail a finished benchmark.
+        # Done. Exit without destroying the process group or running the interpreter's C++
+        # teardown: with gloo, torch before 2.8 can deadlock in the group's destructor
+        # (pytorch#154976; 6 runs in 27 here with 2.5.1, under load), and 2.14 aborts in
+        # the teardown now and then ("terminate called without an active exception").
+        # Either would fail a benchmark that has finished.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

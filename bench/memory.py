@@ -24,10 +24,10 @@ import sys
 import time
 
 import psutil
+import torch
 
-from common import (MNIST_TRAIN_SAMPLES, bench_device, finish, mnist_files,
-                    pattern_samples_per_sec, print_machine, print_table, start, train_command,
-                    verdict)
+from common import (MNIST_TRAIN_SAMPLES, finish, mnist_files, pattern_samples_per_sec,
+                    print_machine, print_table, start, train_command, verdict)
 
 TARGET = 0.25
 STEPS, QUICK_STEPS = 200, 20  # enough for the pattern's 8 workers to fill their prefetch queues
@@ -82,12 +82,12 @@ def main():
     p.add_argument("--pattern-rank", metavar="DATA", help=argparse.SUPPRESS)
     p.add_argument("--start-method", choices=START_METHODS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA; children inherit it
     steps = QUICK_STEPS if args.quick else STEPS
-    device = bench_device()
+    device = torch.device("cpu")
     if args.pattern_rank:
         return pattern_samples_per_sec(args.pattern_rank, "cnn", steps, device, args.start_method)
     print_machine()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # for every run measured below
     # The full training set even with --quick: its size is what the data paths hold.
     with mnist_files(MNIST_TRAIN_SAMPLES) as root:
         floor = measure_command([sys.executable, "-c", "import torch, torchvision"])

@@ -195,16 +195,16 @@ def spread(values):
     return f"{median:.2f} ({q1:.2f} to {q3:.2f})"
 
 
-def print_train_py(root, rounds, steps, backend, env):
-    """train.py itself, 1 and 2 processes in turn for `rounds` rounds; returns the
-    efficiency of each round."""
-    flags = ["--arch", "cnn", "--backend", backend, "--max-steps", steps]
+def print_train_py(root, rounds, run_flags, backend, env):
+    """train.py itself, with run_flags (how long), 1 and 2 processes in turn for `rounds`
+    rounds; returns the efficiency of each round."""
+    flags = ["--arch", "cnn", "--backend", backend, *run_flags]
     rows, efficiencies = [], []
     for round_number in range(1, rounds + 1):
         thr = {n: train_samples_per_sec(root, flags, nproc=n, env=env) for n in (1, 2)}
         efficiencies.append(thr[2] / (2 * thr[1]))
         rows.append((round_number, f"{thr[1]:,.0f}", f"{thr[2]:,.0f}", f"{efficiencies[-1]:.2f}"))
-    print(f"\ntrain.py --arch cnn --backend {backend}, batch 64 per process, {steps} steps"
+    print(f"\ntrain.py --arch cnn --backend {backend} {' '.join(map(str, run_flags))}, batch 64 per process"
           f"{', 1 thread per process' if env else ''}; 1 process, then 2, per round")
     print_table(["round", "1 process: samples/s", "2 processes: samples/s (all)",
                  "efficiency"], rows)
@@ -270,10 +270,12 @@ def main():
     print_machine()
     rounds, steps = (1, 10) if args.quick else (3, 200)
     with mnist_files(QUICK_TRAIN_SAMPLES if args.quick else MNIST_TRAIN_SAMPLES) as root:
-        train_py = print_train_py(root, rounds, steps, "gloo", ONE_THREAD)
+        train_py = print_train_py(root, rounds, ["--max-steps", steps], "gloo", ONE_THREAD)
         interleaved = print_harness(root, args.quick)
         if torch.cuda.device_count() >= 2:
-            nccl = print_train_py(root, rounds, steps, "nccl", None)
+            # 200 steps can take less time than CUDA's start-up: time epoch 2 (the last
+            # --epochs wins, and the last --metrics row is read).
+            nccl = print_train_py(root, rounds, ["--epochs", 2], "nccl", None)
             print(f"nccl: efficiency {median_and_range(nccl)}")
         else:
             print(f"nccl: not run: 2 processes need 2 GPUs, torch sees {torch.cuda.device_count()}")

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HIDDEN_GPUS
+
 SSHD = "/usr/sbin/sshd"
 _instances = 0  # clusters built by this process, for unique names
 TOOLS = ("ip", "unshare", "nsenter", "ssh", "ssh-keygen", "openssl")
@@ -146,10 +148,9 @@ class Cluster:
         return self._hosts[name].address
 
     def env(self, **extra):
-        """os.environ plus SSH_COMMAND for this cluster, plus extra. The hosts share this
-        machine's GPUs, which nccl will not give two ranks: CUDA_VISIBLE_DEVICES="" (which
-        launch.sh and check_env.py forward to every host) keeps their jobs on the CPU."""
-        return {**os.environ, "SSH_COMMAND": self.ssh_command, "CUDA_VISIBLE_DEVICES": "", **extra}
+        """os.environ plus SSH_COMMAND for this cluster, plus extra. The GPUs are hidden,
+        as in every test run (launch.sh and check_env.py forward that to the hosts)."""
+        return {**os.environ, "SSH_COMMAND": self.ssh_command, **HIDDEN_GPUS, **extra}
 
     def write_hostfile(self, path, hosts=None):
         """Write a hosts file listing hosts (default: all) one per line."""

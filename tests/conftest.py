@@ -12,14 +12,16 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
+# The tests are of the CPU and gloo path. On a GPU machine, torch would pick nccl, which
+# gives no two ranks the same GPU, so the runs the tests start see no GPU.
+HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def run(cmd, timeout=120, gpus=False, **kwargs):
     """Run cmd in its own process group; on timeout stop the whole group and fail the test,
     so a hang (torchrun and all of its workers) never outlives the test. The GPUs stay
-    hidden unless gpus=True: the tests are of the CPU and gloo path, and on a machine with
-    one GPU their two-rank runs would pick nccl and fail."""
-    hidden = {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
+    hidden unless gpus=True."""
+    hidden = {} if gpus else HIDDEN_GPUS
     env = {**os.environ, "OMP_NUM_THREADS": "1", **hidden, **kwargs.pop("env", {})}
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env, **kwargs)

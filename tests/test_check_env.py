@@ -225,8 +225,8 @@ def three_hosts(b=None, c=None):
         (
             [host_report(n, f"10.0.0.{i}/24", torch="2.4.1+cu121") for i, n in enumerate(LABELS[:2], 1)],
             None,
-            [f"{n}: torch 2.4.1+cu121 is too old for multi-node jobs: before 2.5, torchrun sends "
-             "workers to rank 0's host name, not its address (upgrade torch)" for n in LABELS[:2]],
+            [f"{n}: torch 2.4.1+cu121 is older than 2.5: its torchrun sends workers to rank 0's "
+             "host name, which every host must then resolve (upgrade torch)" for n in LABELS[:2]],
         ),
         # One host needs no rendezvous across the network.
         ([host_report("a", "10.0.0.1/24", torch="2.4.1")], None, []),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import REPO, load
+from conftest import HIDDEN_GPUS, REPO, load
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
@@ -28,10 +28,10 @@ cluster = cluster_fixture(n_hosts=3)
 
 
 def launch_env(cluster=None, **extra):
-    """Environment for launch.sh: this python's torchrun first on PATH, and the jobs on
-    the CPU (launch.sh forwards CUDA_VISIBLE_DEVICES), as cluster.env() says why."""
+    """Environment for launch.sh: this python's torchrun first on PATH, and the GPUs
+    hidden, which launch.sh forwards to every host."""
     env = {
-        **(cluster.env() if cluster else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}),
+        **(cluster.env() if cluster else {**os.environ, **HIDDEN_GPUS}),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "OMP_NUM_THREADS": "1",
     }
