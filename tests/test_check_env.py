@@ -4,7 +4,6 @@ command line, node clean-up, and a real all-reduce on this machine."""
 
 import copy
 import json
-import os
 import re
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run
+from conftest import HIDDEN_GPUS, REPO, run
 
 sys.path.insert(0, str(REPO))
 import check_env  # noqa: E402
@@ -55,7 +54,7 @@ def test_local_report_has_every_field(monkeypatch):
 
 def test_json_report_with_every_gpu_hidden():
     # A fresh process: CUDA reads CUDA_VISIBLE_DEVICES once, when it starts.
-    result = run_check_env(["--json"], timeout=60, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    result = run_check_env(["--json"], timeout=60, env=HIDDEN_GPUS)  # (run() hides them too)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report) == REPORT_FIELDS
