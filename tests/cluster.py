@@ -20,6 +20,7 @@ Usage from a test module:
         cluster.write_hostfile(path)               # all hosts, one per line
         cluster.processes("node2")                 # what runs on node2
         cluster.run("node2", ["hostname"])         # run inside node2
+        cluster.command("node2", argv, cwd=REPO)   # argv as a command run inside node2
 
 Or directly: `with simulated_cluster(3) as cluster: ...`.
 
@@ -157,12 +158,15 @@ class Cluster:
         Path(path).write_text("".join(f"{h}\n" for h in hosts or self.hosts))
         return Path(path)
 
-    def run(self, name, args, **kwargs):
-        """Run args inside host name's network, UTS and mount namespaces."""
+    def command(self, name, args, cwd="/"):
+        """args as a command that runs inside host name's network, UTS and mount
+        namespaces, in directory cwd."""
         target = str(self._hosts[name].sshd_pid())
-        return subprocess.run(
-            ["nsenter", "-t", target, "-n", "-u", "-m", "--", *map(str, args)], **kwargs
-        )
+        return ["nsenter", "-t", target, "-n", "-u", "-m", f"--wd={cwd}", "--", *map(str, args)]
+
+    def run(self, name, args, **kwargs):
+        """Run args inside host name's namespaces (see command)."""
+        return subprocess.run(self.command(name, args), **kwargs)
 
     def processes(self, name, include_sshd=False):
         """[(pid, argv)] of every process in host name's network namespace.

@@ -108,10 +108,9 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
-def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
+def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path):
     ckpt_dir = tmp_path / "ck"
-    args = [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic",
-            "--checkpoint-dir", ckpt_dir]
+    args = [sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir]
     assert_ok(run([*args, "--max-steps", "2"]))
     good = (ckpt_dir / "last.pt").read_bytes()
     (ckpt_dir / "last.pt").write_bytes(good[: len(good) // 2])  # truncated mid-write

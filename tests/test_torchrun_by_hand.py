@@ -1,0 +1,45 @@
+"""The README's command for starting torchrun by hand on every host, on two simulated hosts."""
+import re
+import shlex
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from cluster import cluster_fixture
+from conftest import REPO, assert_ok, metrics, run
+
+cluster = cluster_fixture(n_hosts=2)
+README_ADDRESS = "10.0.0.11"
+
+
+def readme_command():
+    """The command of the README's "torchrun by hand" section, as words."""
+    section = (REPO / "README.md").read_text().split("### Without launch.sh", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.replace("\\\n", " ").splitlines() if not line.startswith("#")]
+    (command,) = lines
+    return shlex.split(command)
+
+
+def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_path):
+    words = readme_command()
+    assert words[0] == "GLOO_SOCKET_IFNAME=eth0"  # the simulated hosts' interface is eth0
+    assert f"--master-addr={README_ADDRESS}" in words and "--node-rank=0" in words
+    torchrun = Path(sys.executable).parent / "torchrun"  # the README's, on this PATH
+    train_args = ["--dataset", "mnist", "--no-download", "--data", mnist_dir,
+                  "--batch-size", "16", "--max-steps", "3", "--metrics", tmp_path / "m.jsonl"]
+
+    def on_host(node_rank, name):
+        command = [re.sub(r"^--nproc-per-node=\d+$", "--nproc-per-node=1", w)
+                   .replace("--node-rank=0", f"--node-rank={node_rank}")
+                   .replace(README_ADDRESS, cluster.address("node1"))
+                   .replace("torchrun", str(torchrun)) for w in words]
+        return run(cluster.command(name, ["env", *command, *train_args], cwd=REPO), timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(on_host, [0, 1], cluster.hosts))
+    for result in results:
+        assert_ok(result)
+    (row,) = metrics(tmp_path / "m.jsonl")
+    assert row["world_size"] == 2 and row["step"] == 3
+    assert "start: world_size=2 backend=gloo" in results[0].stdout
