@@ -17,8 +17,10 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
+import struct
 import sys
 import time
 
@@ -68,8 +70,9 @@ def parse_args(argv=None):
     p = OneLineErrorParser(description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
-                   help="mnist: torchvision's MNIST files under --data; synthetic: a generated, "
-                        "learnable set of the same shape that needs no download")
+                   help="mnist: MNIST's four idx files in --data/MNIST/raw, fetched by torchvision "
+                        "if missing; synthetic: a generated, learnable set of the same shape "
+                        "that needs no download")
     p.add_argument("--data", default="./data", help="directory that holds (or receives) MNIST")
     p.add_argument("--no-download", action="store_true",
                    help="never download MNIST; fail with a message if the files are missing")
@@ -197,12 +200,28 @@ def synthetic_mnist(num_samples, seed):
     return noise + patterns[labels] * brightness, labels  # at most 127 + 127: no overflow
 
 
+def read_idx(path):
+    """A uint8 tensor from one of MNIST's idx files: two zero bytes, 0x08 (uint8), the number
+    of dimensions, each dimension as a big-endian int32, then the values."""
+    with open(path, "rb") as f:
+        data = f.read()
+    zero, value_type, ndim = struct.unpack_from(">HBB", data)
+    if zero != 0 or value_type != 0x08:
+        raise ValueError(f"{path} is not an idx file of uint8")
+    shape = struct.unpack_from(f">{ndim}I", data, 4)
+    header = 4 + 4 * ndim
+    if len(data) != header + math.prod(shape):
+        raise ValueError(f"{path} holds {len(data) - header} bytes of values, "
+                         f"not {math.prod(shape)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header).view(shape)
+
+
 def load_mnist(root, download, rank, local_rank):
     """MNIST as uint8 tensors; rank 0 downloads while the others wait."""
-    import torchvision  # imported here so the synthetic path runs without it
+    raw = os.path.join(root, "MNIST", "raw")  # torchvision's layout
 
     def present():
-        return all(os.path.exists(os.path.join(root, "MNIST", "raw", f)) for f in MNIST_FILES)
+        return all(os.path.exists(os.path.join(raw, f)) for f in MNIST_FILES)
 
     error = None
     # Fix: every rank downloaded at once and raced on the same files. Global rank 0
@@ -211,6 +230,7 @@ def load_mnist(root, download, rank, local_rank):
     for is_downloader in (rank == 0, local_rank == 0):
         if is_downloader and download and not present() and error is None:
             try:
+                import torchvision  # only to download: reading needs no torchvision
                 for split_is_train in (True, False):
                     torchvision.datasets.MNIST(root, train=split_is_train, download=True)
             except Exception as e:  # offline, a mirror down, a full disk ...
@@ -221,17 +241,20 @@ def load_mnist(root, download, rank, local_rank):
         error = "the files are missing and --no-download is set" if not download else "not found"
     if error is None:
         try:
-            train = torchvision.datasets.MNIST(root, train=True, download=False)
-            test = torchvision.datasets.MNIST(root, train=False, download=False)
-        except Exception as e:
+            train_x, train_y, test_x, test_y = (read_idx(os.path.join(raw, f)) for f in MNIST_FILES)
+            for images, labels in ((train_x, train_y), (test_x, test_y)):
+                if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
+                    raise ValueError(f"images {tuple(images.shape)} and labels "
+                                     f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
+        except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
     local_error = None
     if error is not None and local_rank == 0:  # one message per node, not one per process
         local_error = UsageError(
             f"MNIST unavailable on {socket.gethostname()}: {error}. Put {', '.join(MNIST_FILES)} "
-            f"in {os.path.join(os.path.abspath(root), 'MNIST', 'raw')}, or use --dataset synthetic")
+            f"in {os.path.abspath(raw)}, or use --dataset synthetic")
     stop_together(local_error)
-    return train.data, train.targets, test.data, test.targets
+    return train_x, train_y.long(), test_x, test_y.long()
 
 
 def build_data(args, rank, local_rank, device):

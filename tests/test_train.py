@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, assert_ok, load, metrics, run, torchrun
+from conftest import REPO, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
@@ -133,6 +133,25 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     assert result.returncode != 0
     assert "--dataset synthetic" in result.stderr
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
+
+
+def test_read_idx_reads_what_write_idx_wrote(tmp_path):
+    images = torch.randint(0, 256, (3, 28, 28), dtype=torch.uint8)
+    write_idx(tmp_path / "images", images)
+    assert torch.equal(train.read_idx(tmp_path / "images"), images)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_idx"])
+def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage):
+    shutil.copytree(mnist_dir, tmp_path / "data")
+    labels = tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    data = labels.read_bytes()
+    labels.write_bytes(data[:-1] if damage == "truncated" else b"<html>" + data)
+    result = run([sys.executable, TRAIN, *TINY, "--data", tmp_path / "data", "--max-steps", "1"],
+                 timeout=60)
+    assert result.returncode == 1
+    assert "cannot read them" in result.stderr and str(labels) in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"]])
