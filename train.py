@@ -176,7 +176,8 @@ def gather_to_rank0(obj):
 
 
 def stop_together(local_error):
-    """Raise on every rank if any rank hit a UsageError, so no rank is left waiting."""
+    """Raise local_error here, and stop every other rank too if any rank has one, so that
+    no rank is left waiting for the others at the next collective."""
     nccl = distributed() and dist.get_backend() == "nccl"
     flag = torch.tensor([float(local_error is not None)], device="cuda" if nccl else "cpu")
     failed = all_reduce_sum(flag).item()
@@ -249,8 +250,8 @@ def load_mnist(root, download, rank, local_rank):
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
     local_error = None
-    if error is not None and local_rank == 0:  # one message per node, not one per process
-        local_error = UsageError(
+    if error is not None:  # one message per node: its other ranks read the same files
+        local_error = SystemExit(1) if local_rank != 0 else UsageError(
             f"MNIST unavailable on {socket.gethostname()}: {error}. Put {', '.join(MNIST_FILES)} "
             f"in {os.path.abspath(raw)}, or use --dataset synthetic")
     stop_together(local_error)

@@ -131,8 +131,27 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     result = torchrun(2, "--arch", "cnn", "--dataset", "mnist", "--data", tmp_path / "none",
                       "--no-download", timeout=60)
     assert result.returncode != 0
-    assert "--dataset synthetic" in result.stderr
+    assert result.stderr.count("--dataset synthetic") == 1  # from local rank 0 alone
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
+
+
+def test_mnist_unreadable_on_one_rank_only_stops_every_rank(mnist_dir, tmp_path):
+    # The files change under a reader, say: local rank 1 fails, local rank 0 reads them.
+    script = tmp_path / "fail_on_rank1.py"
+    script.write_text(f"""import os, sys
+sys.path.insert(0, {str(REPO)!r})
+import train
+read_idx = train.read_idx
+def read_idx_or_fail(path):
+    if os.environ["LOCAL_RANK"] == "1":
+        raise OSError(f"cannot read {{path}}")
+    return read_idx(path)
+train.read_idx = read_idx_or_fail
+train.main(sys.argv[1:])
+""")
+    result = torchrun(2, *TINY, "--data", mnist_dir, script=script, timeout=60)
+    assert result.returncode != 0 and "step" not in result.stdout
+    assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
