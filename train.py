@@ -11,7 +11,7 @@ pattern with its bugs fixed; each fix is marked "Fix:" where it happens.
 The whole data set lives on the device as one uint8 tensor and is batched by
 indexing, so there is no DataLoader and no worker process. A run whose
 --checkpoint-dir holds last.pt resumes from it, and the resumed run ends bitwise
-equal to one that was never stopped (CPU, gloo, same world size).
+equal to one that was never stopped (CPU, gloo, the same world size and OMP_NUM_THREADS).
 """
 import argparse
 import contextlib
@@ -36,7 +36,7 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 EVAL_BATCH_SIZE = 1024
 # Arguments that fix the training trajectory: a checkpoint only resumes a run that agrees on them.
-TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp"]
+TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp", "compile"]
 # What save_checkpoint writes; a file without all of it is not a train.py checkpoint.
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 
@@ -105,7 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=positive_int, default=None,
                    help="print a progress line every N optimizer steps, not only per epoch")
     p.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_every and not args.checkpoint_dir:
+        p.error("--save-every needs --checkpoint-dir")
+    return args
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -301,6 +304,19 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+def check_no_batch_of_one(model, samples_per_rank, batch_size, rank):
+    """BatchNorm cannot train on a micro-batch of one sample (resnet18's last one sees a
+    1x1 map); refuse a --batch-size that makes one, before any training is lost."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    if batch_size == 1 or samples_per_rank % batch_size == 1:
+        if rank == 0:  # every rank comes to the same verdict; one says why
+            raise UsageError(f"--batch-size {batch_size} leaves micro-batches of one sample "
+                             f"({samples_per_rank} samples per rank), on which the model's "
+                             "BatchNorm cannot train: choose another --batch-size")
+        raise SystemExit(1)
+
+
 def build_model(arch):
     if arch == "cnn":
         return SmallCNN()
@@ -340,6 +356,21 @@ def set_rng_state(state, device):
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and state["cuda"] is not None:  # None: written by a CPU run
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def prepare_outputs(args, rank):
+    """Rank 0 creates the checkpoint directory and the metrics file now, so that a path it
+    cannot write stops the run at start-up instead of after the first epoch."""
+    error = None
+    if rank == 0:
+        try:
+            if args.checkpoint_dir:
+                os.makedirs(args.checkpoint_dir, exist_ok=True)
+            if args.metrics:
+                open(args.metrics, "a").close()
+        except OSError as e:
+            error = UsageError(f"cannot write {e.filename}: {e.strerror}")
+    stop_together(error)
 
 
 def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
@@ -417,7 +448,8 @@ def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args,
             with sync:
                 with autocast(args, device):
                     loss = F.cross_entropy(ddp_model(x), y)
-                scaler.scale(loss / len(micro_batches)).backward()
+                # Each micro-batch weighs by its share of the step: the epoch's last may be short.
+                scaler.scale(loss * (len(idx) / len(step_indices))).backward()
             loss_sum += loss.detach() * len(idx)  # no .item(): the loop does not wait for the GPU
             samples += len(idx)
         scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (which waits)
@@ -478,6 +510,7 @@ def train(args, rank, local_rank, world_size, device):
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
+    prepare_outputs(args, rank)
     train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
 
     model = build_model(args.arch).to(device)
@@ -487,7 +520,9 @@ def train(args, rank, local_rank, world_size, device):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     per_step = args.batch_size * args.accum_steps  # samples per rank per optimizer step
-    steps_per_epoch = -(-len(epoch_order(len(train_x), 0, rank, world_size, args.seed)) // per_step)
+    samples_per_rank = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))
+    check_no_batch_of_one(model, samples_per_rank, args.batch_size, rank)
+    steps_per_epoch = -(-samples_per_rank // per_step)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
@@ -524,6 +559,9 @@ def train(args, rank, local_rank, world_size, device):
             f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
             f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
             f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}")
+        if step >= total_steps:
+            log(f"nothing to train: {ckpt_path} is at step {step}, and this run ends at step "
+                f"{total_steps}")
     while step < total_steps:
         epoch, done = divmod(step, steps_per_epoch)
         stop = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
@@ -552,7 +590,7 @@ def train(args, rank, local_rank, world_size, device):
         test_loss, test_accuracy, test_samples = evaluate(model, test_x, test_y, args, device,
                                                           rank, world_size)
         if rank == 0:
-            partial = stop < steps_per_epoch  # stopped by --max-steps in mid-epoch
+            partial = done > 0 or stop < steps_per_epoch  # resumed or stopped in mid-epoch
             row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
                    "train_loss": train_loss, "test_loss": test_loss,
                    "test_accuracy": test_accuracy, "test_samples": test_samples,

@@ -98,9 +98,12 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
     assert_ok(stopped)
     assert metrics(tmp_path / "m.jsonl")[-1]["partial"]
     assert load(tmp_path / "resumed" / "last.pt")["step"] == 4
-    resumed = torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed")
+    resumed = torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed",
+                       "--metrics", tmp_path / "resumed.jsonl")
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout
+    # The resumed epoch's row covers only its last two steps, and says so.
+    assert [r["partial"] for r in metrics(tmp_path / "resumed.jsonl")] == [True, False]
     whole, again = load(tmp_path / "whole" / "last.pt"), load(tmp_path / "resumed" / "last.pt")
     assert whole["step"] == again["step"] == 12
     assert_same_tensors(whole["model"], again["model"])
@@ -112,6 +115,9 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path):
     ckpt_dir = tmp_path / "ck"
     args = [sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir]
     assert_ok(run([*args, "--max-steps", "2"]))
+    again = run([*args, "--max-steps", "2"])
+    assert_ok(again)
+    assert "nothing to train" in again.stdout and "train_loss" not in again.stdout
     good = (ckpt_dir / "last.pt").read_bytes()
     (ckpt_dir / "last.pt").write_bytes(good[: len(good) // 2])  # truncated mid-write
     result = run([*args, "--max-steps", "4"])
@@ -123,8 +129,9 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path):
     assert result.returncode == 1, result.stderr
     assert "not a train.py checkpoint" in result.stderr and "Traceback" not in result.stderr
     (ckpt_dir / "last.pt").write_bytes(good)
-    result = run([*args, "--max-steps", "4", "--seed", "7"])
-    assert result.returncode == 1 and "--seed 0 (now 7)" in result.stderr
+    result = run([*args, "--max-steps", "4", "--seed", "7", "--compile"])
+    assert result.returncode == 1
+    assert "--seed 0 (now 7), --compile False (now True)" in result.stderr
 
 
 def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
@@ -173,7 +180,31 @@ def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"]])
+def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_dir, tmp_path):
+    # 512 samples in steps of 48: the last step has 32, as micro-batches of 24 and 8.
+    for batch, accum in ((48, 1), (24, 2)):
+        assert_ok(run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--epochs", "1",
+                       "--batch-size", batch, "--accum-steps", accum,
+                       "--checkpoint-dir", tmp_path / str(accum)]))
+    whole, accumulated = (load(tmp_path / d / "last.pt")["model"] for d in ("1", "2"))
+    for name in whole:
+        torch.testing.assert_close(accumulated[name], whole[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["--metrics", "missing/m.jsonl"], "cannot write missing/m.jsonl"),
+    (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
+    (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
+def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, setting, message):
+    (tmp_path / "a_file").touch()
+    result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, *setting], cwd=tmp_path,
+                 timeout=60)
+    assert result.returncode == 1 and "step" not in result.stdout
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+@pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"],
+                                 ["--save-every", "5"]])
 def test_bad_arguments_give_one_line_and_exit_2(bad):
     result = run([sys.executable, TRAIN, *bad], timeout=60)
     assert result.returncode == 2
