@@ -13,9 +13,9 @@
 # not necessarily follow line order.
 #
 # First every host is checked, in parallel, within 30 s: SSH, bash 4.3+,
-# the directory, torchrun and the script, and that the address SSH reached
-# it at is one the other hosts can use (not 127.0.0.1, not another host's).
-# If any check fails, nothing starts.
+# the directory, torchrun and the script, that the address SSH reached it at
+# is one the other hosts can use (not 127.0.0.1, not another host's), and
+# on the first host that --port is free. If any check fails, nothing starts.
 #
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a
@@ -66,10 +66,11 @@ die() {
 }
 
 # Runs on each host: checks what run_node needs, the directory, torchrun and
-# script, picks a free port if asked, and prints "ok SSH_CONNECTION PORT"
-# ("-" where unknown).
+# script. On the first host, PORT is the rendezvous port to check, or "free"
+# to pick one; elsewhere "-". Prints "ok SSH_CONNECTION PORT" ("-" where
+# unknown).
 check_node() {
-  local workdir=$1 torchrun=$2 script=$3 want_port=$4 path python port=-
+  local workdir=$1 torchrun=$2 script=$3 port=$4 path python
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
     return 1
@@ -78,11 +79,14 @@ check_node() {
   cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir"; return 1; }
   path=$(command -v -- "$torchrun") || { echo "fail: no torchrun at $torchrun"; return 1; }
   [[ -f $script ]] || { echo "fail: no $script in $workdir"; return 1; }
-  if [[ $want_port == yes ]]; then
-    python=${path%/*}/python
-    [[ -x $python ]] || python=python3
+  python=${path%/*}/python
+  [[ -x $python ]] || python=python3
+  if [[ $port == free ]]; then
     port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
       || { echo "fail: cannot pick a free port"; return 1; }
+  elif [[ $port != - ]]; then # as torchrun will bind it: SO_REUSEADDR, so TIME_WAIT is no obstacle
+    "$python" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$port" 2>/dev/null \
+      || { echo "fail: port $port (--port) is in use here"; return 1; }
   fi
   echo "ok ${SSH_CONNECTION:-- - - -} $port"
 }
@@ -177,12 +181,12 @@ collect_env() {
 # off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
 # in timed_out.
 run_checks() {
-  local i want_port pid deadline=$((SECONDS + PREFLIGHT_SECONDS))
+  local i node_port pid deadline=$((SECONDS + PREFLIGHT_SECONDS))
   local -A pending=() # pid -> host number
   for i in "${!labels[@]}"; do
-    want_port=no
-    if [[ $i == 0 && -z $port ]]; then want_port=yes; fi
-    build_command "$i" check_node "$workdir" "$torchrun" "$script" "$want_port"
+    node_port=-
+    if ((i == 0)); then node_port=${port:-free}; fi
+    build_command "$i" check_node "$workdir" "$torchrun" "$script" "$node_port"
     "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
     pending[$!]=$i
   done
@@ -319,9 +323,15 @@ start_hosts() {
     set_node_args "$i"
     build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$torchrun" \
       "${node_args[@]}"
-    # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
-    ("${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
-      prefix_lines "${labels[i]}") &
+    # A subshell: wait_for_hosts gets the status of the whole pipeline by its
+    # pid. It ignores Ctrl-C, which a terminal sends to the whole group: this
+    # script stops the hosts, by closing their stdin. Killed by it, a local
+    # node would leave its torchrun behind, and the pipe would lose the output.
+    (
+      trap '' INT QUIT
+      "${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
+        prefix_lines "${labels[i]}"
+    ) &
     running[$!]=$i
     started[i]=$SECONDS
   done
@@ -425,6 +435,11 @@ main() {
   collect_env
   if [[ -z $torchrun ]]; then
     torchrun=$(command -v torchrun) || die "torchrun not found on PATH; use --torchrun"
+    # A pyenv shim picks its Python by settings of this shell and directory,
+    # which the hosts do not share: send them the torchrun it stands for here.
+    if [[ $torchrun == */shims/torchrun ]] && command -v pyenv >/dev/null; then
+      torchrun=$(pyenv which torchrun) || die "pyenv finds no torchrun here; use --torchrun"
+    fi
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
   label_width=4

@@ -33,11 +33,13 @@ THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_
 source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 
 # Runs on each host, in bash: reads the public key from stdin and appends it
-# to ~/.ssh/authorized_keys unless it is there already.
+# to ~/.ssh/authorized_keys unless it is there already, on a line of its own
+# even where the file's last line has no newline.
 # shellcheck disable=SC2016 # expands there, not here
 readonly INSTALL_KEY='umask 077 && read -r key && mkdir -p ~/.ssh && chmod 700 ~/.ssh &&
-{ grep -qxF "$key" ~/.ssh/authorized_keys 2>/dev/null || echo "$key" >>~/.ssh/authorized_keys; } &&
-chmod 600 ~/.ssh/authorized_keys'
+keys=~/.ssh/authorized_keys && { grep -qxF "$key" "$keys" 2>/dev/null ||
+{ if [[ -s $keys && -n $(tail -c 1 "$keys") ]]; then echo; fi; echo "$key"; } >>"$keys"; } &&
+chmod 600 "$keys"'
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"

@@ -300,6 +300,37 @@ def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
     assert f"'--local-addr={cluster.address('node1')}'" in lines[2]
 
 
+def test_preflight_rejects_a_port_in_use_on_the_first_host(cluster, tmp_path, start):
+    listener = subprocess.Popen(cluster.command("node1", [
+        sys.executable, "-c", "import socket, time; s = socket.socket(); s.bind(('', 29999)); "
+        "s.listen(); print('listening', flush=True); time.sleep(60)"]),
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert listener.stdout.readline() == "listening\n"
+        hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+        launch = run_launch(start, ["--dry-run", "--port", "29999", hostfile, "1", *TRAIN],
+                            launch_env(cluster), timeout=30)
+        assert launch.proc.returncode == 1, launch.out + launch.err
+        assert re.search(r"^  node1 +port 29999 \(--port\) is in use here$", launch.err, re.M), launch.err
+    finally:
+        os.killpg(listener.pid, signal.SIGKILL)
+        listener.wait()
+
+
+def test_a_pyenv_shim_is_resolved_to_the_torchrun_it_stands_for(tmp_path, start):
+    real = Path(sys.executable).parent / "torchrun"
+    for name, text in (("shims/torchrun", "exit 1"), ("bin/pyenv", f"echo {real}")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(f"#!/bin/sh\n{text}\n")
+        (tmp_path / name).chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    env = launch_env(PATH=f"{tmp_path / 'shims'}:{tmp_path / 'bin'}:{os.environ['PATH']}")
+    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], env, timeout=30)
+    assert launch.proc.returncode == 0, launch.err
+    assert f"&& '{real}' '--nnodes=1'" in launch.out, launch.out
+
+
 def test_own_name_and_loopback_run_locally(tmp_path, start):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{socket.gethostname()}\n127.0.0.1\n")
@@ -440,6 +471,24 @@ def test_signal_stops_every_host(cluster, tmp_path, start, signum, status):
     os.kill(launch.pid, signum)
     assert launch.wait(15) == status, launch.err
     assert_nothing_left(cluster, launch)
+
+
+def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
+    """A terminal's Ctrl-C reaches every process of the group, the local node's included."""
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    deadline = time.monotonic() + 60
+    while not any(Path(f"/proc/{pid}/comm").read_text() == "torchrun\n"
+                  for pid in session_processes(launch.pid)):  # the local one, starting
+        if launch.proc.poll() is not None or time.monotonic() > deadline:
+            launch.kill()
+            pytest.fail(f"no local torchrun\n{launch.out}\n{launch.err}")
+        time.sleep(0.1)
+    os.killpg(launch.pid, signal.SIGINT)
+    assert launch.wait(15) == 130, launch.err
+    assert re.search(r"^  localhost +143 .*stopped by launch.sh", launch.err, re.M), launch.err
+    assert_nothing_left(cluster, launch)
+    assert_no_local_job_process(launch)
 
 
 def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start):

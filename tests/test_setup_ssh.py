@@ -78,6 +78,22 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     assert state(cluster, key) == before
 
 
+def test_key_goes_on_a_line_of_its_own(cluster, tmp_path):
+    require_sshpass()
+    key = tmp_path / "id_ed25519"
+    host = cluster.hosts[0]
+    authorized = cluster.host(host).dir / "home/.ssh/authorized_keys"
+    authorized.parent.mkdir(mode=0o700, exist_ok=True)
+    other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOtherKeyOtherKeyOtherKeyOtherKeyOtherKey x@y"
+    with open(authorized, "a") as f:
+        f.write(other)  # an editor that wrote no final newline
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{host}\n")
+    result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_COMMAND=offering(cluster, key))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert authorized.read_text().endswith(f"{other}\n{Path(f'{key}.pub').read_text()}")
+
+
 def test_reports_hosts_where_login_fails(cluster, tmp_path):
     key = tmp_path / "id_ed25519"
     hostfile = tmp_path / "hosts.txt"
