@@ -52,7 +52,9 @@ THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_
 source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
-readonly SSH_OPTIONS=(-o BatchMode=yes -o ConnectTimeout=5
+# -T: no terminal even where ~/.ssh/config forces one (RequestTTY force),
+# which would end every line of output in \r.
+readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5
   -o ServerAliveInterval=5 -o ServerAliveCountMax=3)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 

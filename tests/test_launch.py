@@ -285,6 +285,16 @@ def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, star
     assert not cluster.wait_until_idle(0)
 
 
+def test_ssh_config_that_forces_a_terminal(cluster, tmp_path, start):
+    config = tmp_path / "ssh_config"
+    config.write_text(f"RequestTTY force\nInclude {cluster.ssh_config}\n")
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN],
+                        launch_env(cluster, SSH_COMMAND=f"ssh -F {config}"), timeout=30)
+    assert launch.proc.returncode == 0, launch.err
+    assert re.search(rf"'--rdzv-endpoint={cluster.address('node1')}:\d+' ", launch.out), launch.out
+
+
 def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
     """A local first host serves the rendezvous on the address the others see."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
