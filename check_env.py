@@ -31,6 +31,7 @@ if sys.version_info < (3, 10):  # say so, where `--python python3` finds an old 
     sys.exit(f"check_env.py needs Python 3.10 or newer, and this is {'.'.join(map(str, sys.version_info[:3]))}")
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import json
@@ -94,7 +95,7 @@ def gather_report():
         "python_executable": sys.executable,
         **torch_facts(why_missing),
         "driver": nvidia_driver_version(why_missing),
-        "interfaces": ipv4_interfaces(why_missing),
+        "interfaces": interface_addresses(why_missing),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
         # "client-address client-port server-address server-port" when run over SSH: the
         # server address is where this host was reached, and where the job will reach it.
@@ -176,11 +177,11 @@ def nvidia_driver_version(why_missing):
     return match.group(1)
 
 
-def ipv4_interfaces(why_missing):
-    """[{"name": "eth0", "ipv4": "10.0.0.5/24"}, ...], with the prefix: shown in the report,
-    and where GLOO_SOCKET_IFNAME comes from.
+def interface_addresses(why_missing):
+    """[{"name": "eth0", "address": "10.0.0.5/24"}, ...], IPv4 then IPv6, with the prefix:
+    shown in the report, and where GLOO_SOCKET_IFNAME comes from.
 
-    Uses ioctls rather than `ip addr`, so it needs nothing beyond Python on the host.
+    Uses ioctls and /proc rather than `ip addr`, so it needs nothing beyond Python on the host.
     """
     try:
         import fcntl
@@ -195,11 +196,26 @@ def ipv4_interfaces(why_missing):
                 except OSError:  # the interface has no IPv4 address
                     continue
                 network = ipaddress.IPv4Interface(f"{socket.inet_ntoa(address)}/{socket.inet_ntoa(netmask)}")
-                interfaces.append({"name": name, "ipv4": str(network)})
-        return interfaces
+                interfaces.append({"name": name, "address": str(network)})
     except (ImportError, OSError) as exc:  # not Linux
         why_missing["interfaces"] = f"cannot list interfaces: {describe(exc)}"
         return None
+    with contextlib.suppress(OSError):  # no such file: IPv6 is off
+        interfaces += ipv6_addresses(Path("/proc/net/if_inet6").read_text())
+    return interfaces
+
+
+def ipv6_addresses(if_inet6):
+    """[{"name": "eth0", "address": "fd00::2/64"}, ...] from the lines of /proc/net/if_inet6
+    (address, index, prefix length, scope, flags, name), without the link-local ones, which
+    a job cannot use."""
+    found = []
+    for line in if_inet6.splitlines():
+        hex_address, _, prefix, scope, _, name = line.split()
+        if int(scope, 16) != 0x20:  # link-local
+            address = ipaddress.IPv6Address(bytes.fromhex(hex_address))
+            found.append({"name": name, "address": f"{address}/{int(prefix, 16)}"})
+    return found
 
 
 def describe(exc):
@@ -236,7 +252,7 @@ ROWS = [
     ("backends", "gloo_available", show_backends, True),
     ("GPUs", "gpus", show_gpus, True),
     ("driver", "driver", None, True),
-    ("interfaces", "interfaces", lambda r: [f"{i['name']} {i['ipv4']}" for i in r["interfaces"]], False),
+    ("interfaces", "interfaces", lambda r: [f"{i['name']} {i['address']}" for i in r["interfaces"]], False),
     ("env", "env", lambda r: [f"{k}={v}" for k, v in r["env"].items()] or ["(none set)"], True),
 ]
 
@@ -480,7 +496,7 @@ def read_hosts(path):
 
 def this_machine_names():
     names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
-    names.update(i["ipv4"].split("/")[0] for i in ipv4_interfaces({}) or [])
+    names.update(i["address"].split("/")[0] for i in interface_addresses({}) or [])
     return names
 
 
@@ -627,8 +643,13 @@ def gloo_interface(report, address):
     Ubuntu map to 127.0.1.1, where no other host can connect (launch.sh does the same)."""
     if "GLOO_SOCKET_IFNAME" in report["env"]:
         return []
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:  # None: unknown
+        return []
+    wanted = getattr(wanted, "ipv4_mapped", None) or wanted  # ::ffff:10.0.0.1 is 10.0.0.1
     for interface in report.get("interfaces") or []:
-        if interface["ipv4"].split("/")[0] == address:
+        if ipaddress.ip_interface(interface["address"]).ip == wanted:
             return ["env", f"GLOO_SOCKET_IFNAME={interface['name']}"]
     return []
 

@@ -1,8 +1,8 @@
 """A simulated cluster of real SSH hosts for end-to-end tests.
 
 Each host is a network namespace joined to a private bridge by a veth pair,
-with its own address in a /24 (or a /32 each, routed=True) that exists only
-inside this machine, its own hostname (UTS namespace), its own /etc/hosts
+with its own address in a /24 (or a /32 each, routed=True; and one in a
+private IPv6 /64 too, ipv6=True) that exists only inside this machine, its own hostname (UTS namespace), its own /etc/hosts
 (naming only itself, at 127.0.1.1 as Debian does: hosts cannot resolve each
 other, so they must meet by address), /etc/passwd and /etc/shadow (bind-mounted
 by `ip netns exec` from /etc/netns/<ns>/) and its own sshd.
@@ -116,6 +116,7 @@ class Host:
     address: str
     netns: str
     dir: Path  # sshd config, keys, logs; home/ is root's home there
+    ipv6: str | None = None  # where ssh_config sends ssh, if set
 
     @property
     def pidfile(self):
@@ -211,7 +212,7 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None, routed=False):
+                      login_shells=None, routed=False, ipv6=False):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -225,6 +226,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         command through it.
     routed: each host holds a /32 with a route to the others through eth0, as on
         routed (L3) clusters: no two hosts share a subnet.
+    ipv6: each host also holds an address in a private IPv6 /64, where its sshd
+        listens too, and ssh_config reaches it there.
     """
     global _instances
     _instances += 1
@@ -232,30 +235,37 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
     tag = f"sc{os.getpid()}x{_instances}"
     subnet = _free_subnet()
     addresses = [str(a) for a in subnet.hosts()]
+    # A unique local (fd00::/8) /64 named after this cluster's IPv4 subnet.
+    ipv6_net = ipaddress.ip_network(f"fd00:{subnet.network_address.packed[1]:x}:"
+                                    f"{subnet.network_address.packed[2]:x}::/64")
     base = Path(tempfile.mkdtemp(prefix=f"simcluster-{tag}-"))
     bridge = f"{tag}br"
     hosts = {}
     try:
         _sh("ip", "link", "add", bridge, "type", "bridge")
         _sh("ip", "addr", "add", f"{addresses[0]}/24", "dev", bridge)
+        if ipv6:  # nodad: usable at once, not after duplicate address detection
+            _sh("ip", "addr", "add", f"{ipv6_net[1]}/64", "dev", bridge, "nodad")
         _sh("ip", "link", "set", bridge, "up")
         names = [f"node{i}" for i in range(1, n_hosts + 1)]
         for i, name in enumerate(names, start=1):
-            hosts[name] = Host(name, addresses[i], f"{tag}h{i}", base / name)
+            hosts[name] = Host(name, addresses[i], f"{tag}h{i}", base / name,
+                               str(ipv6_net[i + 1]) if ipv6 else None)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
             _start_host(host, bridge, base, password, authorize, shell, subnet if routed else None)
         (base / "known_hosts").write_text(
             "".join(
-                f"{h.name},{h.address} {(h.dir / 'ssh_host_ed25519_key.pub').read_text()}"
+                f"{','.join(filter(None, (h.name, h.address, h.ipv6)))} "
+                f"{(h.dir / 'ssh_host_ed25519_key.pub').read_text()}"
                 for h in hosts.values()
             )
             if known_hosts
             else ""
         )
         (base / "ssh_config").write_text(
-            "".join(f"Host {h.name}\n  HostName {h.address}\n" for h in hosts.values())
+            "".join(f"Host {h.name}\n  HostName {h.ipv6 or h.address}\n" for h in hosts.values())
             + "Host *\n"
             + "  User root\n"
             + f"  IdentityFile {base / 'id_ed25519'}\n"
@@ -317,13 +327,15 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed_sub
     _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
     if routed_subnet:
         _sh("ip", "-n", host.netns, "route", "add", str(routed_subnet), "dev", "eth0")
+    if host.ipv6:
+        _sh("ip", "-n", host.netns, "addr", "add", f"{host.ipv6}/64", "dev", "eth0", "nodad")
 
     key = host.dir / "ssh_host_ed25519_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
     config = host.dir / "sshd_config"
     config.write_text(
-        f"ListenAddress {host.address}\n"
-        f"HostKey {key}\n"
+        "".join(f"ListenAddress {a}\n" for a in (host.address, host.ipv6) if a)
+        + f"HostKey {key}\n"
         f"PidFile {host.pidfile}\n"
         "PermitRootLogin yes\n"
         f"PasswordAuthentication {'yes' if password else 'no'}\n"

@@ -43,7 +43,7 @@ def test_local_report_has_every_field(monkeypatch):
     assert report["torch"] == torch.__version__
     assert report["gloo_available"] is True
     assert {"NCCL_DEBUG": "INFO", "MASTER_PORT": "1234"}.items() <= report["env"].items()
-    assert {"name": "lo", "ipv4": "127.0.0.1/8"} in report["interfaces"]
+    assert {"name": "lo", "address": "127.0.0.1/8"} in report["interfaces"]
     assert len(report["gpus"]) == torch.cuda.device_count()
     # Every value torch could not give comes with a reason.
     assert all(key in report["why_missing"] for key, value in report.items() if value is None)
@@ -101,8 +101,20 @@ def test_gloo_binds_to_the_interface_of_the_nodes_address_unless_set_there():
     assert check_env.gloo_interface(report, "10.0.0.1") == ["env", "GLOO_SOCKET_IFNAME=eth0"]
     assert check_env.gloo_interface(report, "127.0.0.1") == ["env", "GLOO_SOCKET_IFNAME=lo"]
     assert check_env.gloo_interface(report, "192.168.9.9") == []  # on no interface: gloo's own choice
+    assert check_env.gloo_interface(report, "::ffff:10.0.0.1") == ["env", "GLOO_SOCKET_IFNAME=eth0"]
+    with_interfaces(report, ("eth1", "fd00:7::2/64"))
+    assert check_env.gloo_interface(report, "fd00:7:0::2") == ["env", "GLOO_SOCKET_IFNAME=eth1"]
+    assert check_env.gloo_interface(report, None) == []  # its sshd set no SSH_CONNECTION
     report["env"] = {"GLOO_SOCKET_IFNAME": "ib0"}  # the host's own, or forwarded from here
     assert check_env.gloo_interface(report, "10.0.0.1") == []
+
+
+def test_ipv6_addresses_are_read_from_proc_without_link_local_ones():
+    if_inet6 = ("fe8000000000000000fc00fffe000001 04 40 20 80     eth0\n"
+                "00000000000000000000000000000001 01 80 10 80       lo\n"
+                "fd000007000000000000000000000002 04 40 00 80     eth0\n")
+    assert check_env.ipv6_addresses(if_inet6) == [
+        {"name": "lo", "address": "::1/128"}, {"name": "eth0", "address": "fd00:7::2/64"}]
 
 
 def test_help_explains_the_options():
@@ -135,7 +147,7 @@ BASE = {
     "nccl_available": True,
     "gpus": [],
     "driver": None,
-    "interfaces": [{"name": "lo", "ipv4": "127.0.0.1/8"}, {"name": "eth0", "ipv4": "10.0.0.1/24"}],
+    "interfaces": [{"name": "lo", "address": "127.0.0.1/8"}, {"name": "eth0", "address": "10.0.0.1/24"}],
     "env": {},
     "why_missing": {"driver": "no NVIDIA driver loaded"},
 }
@@ -145,7 +157,7 @@ def host_report(name, address, **changes):
     """name's report, as gathered over SSH from 10.0.0.100 at address (its eth0)."""
     report = copy.deepcopy(BASE)
     report["hostname"] = name
-    report["interfaces"][1]["ipv4"] = address
+    report["interfaces"][1]["address"] = address
     report["ssh_connection"] = f"10.0.0.100 52000 {address.split('/')[0]} 22"
     report.update(changes)
     return report
@@ -167,7 +179,7 @@ LABELS = ["a", "b", "c"]
 
 
 def with_interfaces(report, *interfaces):
-    report["interfaces"] += [{"name": name, "ipv4": ipv4} for name, ipv4 in interfaces]
+    report["interfaces"] += [{"name": name, "address": address} for name, address in interfaces]
     return report
 
 

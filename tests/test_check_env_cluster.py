@@ -44,7 +44,7 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
     for name, report in reports.items():
         assert report["hostname"] == name  # really gathered there, not here
         assert report["torch"] == torch.__version__
-        assert {"name": "eth0", "ipv4": f"{cluster.address(name)}/24"} in report["interfaces"]
+        assert {"name": "eth0", "address": f"{cluster.address(name)}/24"} in report["interfaces"]
         # Forwarded as launch.sh does (cluster.env() hides the GPUs); MASTER_PORT not.
         assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -112,6 +112,16 @@ def test_allreduce_on_a_routed_network_where_no_hosts_share_a_subnet(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
         assert routed.wait_until_idle(10) == {}
+
+
+def test_allreduce_between_hosts_reached_over_ipv6(tmp_path):
+    require_prerequisites()
+    with simulated_cluster(2, ipv6=True) as v6:
+        hostfile = v6.write_hostfile(tmp_path / "hosts.txt")
+        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=v6.env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
+        assert v6.wait_until_idle(10) == {}
 
 
 def test_allreduce_fails_fast_when_a_node_cannot_reach_the_rendezvous(cluster, tmp_path):
