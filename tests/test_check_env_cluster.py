@@ -104,24 +104,16 @@ def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(cluster,
     assert cluster.wait_until_idle(10) == {}
 
 
-def test_allreduce_on_a_routed_network_where_no_hosts_share_a_subnet(tmp_path):
+@pytest.mark.parametrize("network", [{"routed": True}, {"ipv6": True}], ids=["routed", "ipv6"])
+def test_allreduce_on_a_routed_network_and_over_ipv6(tmp_path, network):
+    """A routed network (a /32 per host), and hosts reached over IPv6."""
     require_prerequisites()
-    with simulated_cluster(2, routed=True) as routed:
-        hostfile = routed.write_hostfile(tmp_path / "hosts.txt")
-        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=routed.env())
+    with simulated_cluster(2, **network) as other:
+        hostfile = other.write_hostfile(tmp_path / "hosts.txt")
+        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=other.env())
         assert result.returncode == 0, result.stdout + result.stderr
         assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
-        assert routed.wait_until_idle(10) == {}
-
-
-def test_allreduce_between_hosts_reached_over_ipv6(tmp_path):
-    require_prerequisites()
-    with simulated_cluster(2, ipv6=True) as v6:
-        hostfile = v6.write_hostfile(tmp_path / "hosts.txt")
-        result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=v6.env())
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert "all-reduce, float32 sum, gloo, 2 node(s), 2 ranks" in result.stdout
-        assert v6.wait_until_idle(10) == {}
+        assert other.wait_until_idle(10) == {}
 
 
 def test_allreduce_fails_fast_when_a_node_cannot_reach_the_rendezvous(cluster, tmp_path):
