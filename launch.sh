@@ -133,8 +133,12 @@ run_node() {
   torchrun_pid=$!
   while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!
+  # Polls rather than `wait -n`, which misses a job that ended before it was
+  # called: the reader does, when launch.sh is stopped as the job starts.
+  while kill -0 "$torchrun_pid" 2>/dev/null && kill -0 "$reader" 2>/dev/null; do
+    sleep 0.2
+  done
   status=0
-  wait -n || status=$?
   if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed: stop the job
     status=143
     signal_job TERM
@@ -142,6 +146,8 @@ run_node() {
       [[ -n $(job_pids) ]] || break
       sleep 0.2
     done
+  else
+    wait "$torchrun_pid" || status=$?
   fi
   signal_job KILL
   kill "$reader" 2>/dev/null || true
@@ -320,23 +326,25 @@ prefix_lines() {
 # script only: closing it (or dying) stops that host.
 start_hosts() {
   local i fd
+  # The hosts' pipelines ignore Ctrl-C and Ctrl-\, which a terminal sends to
+  # the whole group: this script stops them, by closing their stdin. Killed
+  # by it, a local node would leave its torchrun behind, the pipe would lose
+  # the output, and a pipeline gone before it opened its stdin would leave
+  # this script waiting for it. Ignored here, so that they start ignoring it.
+  trap '' INT QUIT
   for i in "${!labels[@]}"; do
     mkfifo "$tmp/stdin.$i"
     set_node_args "$i"
     build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$torchrun" \
       "${node_args[@]}"
-    # A subshell: wait_for_hosts gets the status of the whole pipeline by its
-    # pid. It ignores Ctrl-C, which a terminal sends to the whole group: this
-    # script stops the hosts, by closing their stdin. Killed by it, a local
-    # node would leave its torchrun behind, and the pipe would lose the output.
-    (
-      trap '' INT QUIT
-      "${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
-        prefix_lines "${labels[i]}"
-    ) &
+    # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
+    ("${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
+      prefix_lines "${labels[i]}") &
     running[$!]=$i
     started[i]=$SECONDS
   done
+  trap 'on_signal 130' INT
+  trap - QUIT
   trap '' PIPE # a host that is already gone must not kill this script
   for i in "${!labels[@]}"; do
     exec {fd}>"$tmp/stdin.$i"
@@ -458,7 +466,6 @@ main() {
 
   log_dir=$log_dir/$job_id
   mkdir -p "$log_dir"
-  trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
   start_hosts
   wait_for_hosts

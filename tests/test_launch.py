@@ -122,6 +122,15 @@ def session_processes(sid):
     return pids
 
 
+def session_commands(sid):
+    """The command names (comm) of the processes in session sid."""
+    names = []
+    for pid in session_processes(sid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+    return names
+
+
 def assert_nothing_left(cluster, launch, timeout=10):
     """No process of the job on any host, nor any ssh client here."""
     left = cluster.wait_until_idle(timeout)
@@ -488,8 +497,7 @@ def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
     launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
     deadline = time.monotonic() + 60
-    while not any(Path(f"/proc/{pid}/comm").read_text() == "torchrun\n"
-                  for pid in session_processes(launch.pid)):  # the local one, starting
+    while "torchrun" not in session_commands(launch.pid):  # the local one, starting
         if launch.proc.poll() is not None or time.monotonic() > deadline:
             launch.kill()
             pytest.fail(f"no local torchrun\n{launch.out}\n{launch.err}")
