@@ -2,10 +2,11 @@
 
 Each host is a network namespace joined to a private bridge by a veth pair,
 with its own address in a /24 (or a /32 each, routed=True; and one in a
-private IPv6 /64 too, ipv6=True) that exists only inside this machine, its own hostname (UTS namespace), its own /etc/hosts
-(naming only itself, at 127.0.1.1 as Debian does: hosts cannot resolve each
-other, so they must meet by address), /etc/passwd and /etc/shadow (bind-mounted
-by `ip netns exec` from /etc/netns/<ns>/) and its own sshd.
+private IPv6 /64 too, ipv6=True) that exists only inside this machine, its
+own hostname (UTS namespace), its own /etc/hosts (naming only itself, at
+127.0.1.1 as Debian does: hosts cannot resolve each other, so they must meet
+by address), /etc/passwd and /etc/shadow (bind-mounted by `ip netns exec`
+from /etc/netns/<ns>/) and its own sshd.
 root's home on a host is a fresh directory under the cluster's temp dir, so
 nothing touches the real ~/.ssh or /etc/hosts. All hosts share this
 machine's filesystem and pid namespace.
