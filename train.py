@@ -23,6 +23,7 @@ import socket
 import struct
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -178,16 +179,31 @@ def gather_to_rank0(obj):
     return out
 
 
-def stop_together(local_error):
-    """Raise local_error here, and stop every other rank too if any rank has one, so that
-    no rank is left waiting for the others at the next collective."""
-    nccl = distributed() and dist.get_backend() == "nccl"
-    flag = torch.tensor([float(local_error is not None)], device="cuda" if nccl else "cpu")
-    failed = all_reduce_sum(flag).item()
-    if local_error is not None:
-        raise local_error
-    if failed:
-        raise SystemExit(1)  # the failing rank printed why
+def all_gather(obj):
+    """Every rank's obj as a list, in rank order, on every rank."""
+    if not distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def print_errors(errors):
+    sys.stderr.write("".join(f"train.py: error: {e}\n" for e in errors))
+    sys.stderr.flush()
+
+
+def stop_together(error):
+    """Stop every rank if any rank has an error message, so that no rank is left waiting
+    for the others at the next collective. Rank 0 prints each distinct message once."""
+    errors = [e for e in dict.fromkeys(all_gather(error)) if e]
+    if not errors:
+        return
+    if not distributed() or dist.get_rank() == 0:
+        print_errors(errors)
+    if distributed():
+        dist.barrier()  # torchrun stops every rank when one exits: not before rank 0 has said why
+    raise SystemExit(1)
 
 
 # ----------------------------------------------------------------------------- data
@@ -252,12 +268,10 @@ def load_mnist(root, download, rank, local_rank):
                                      f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
-    local_error = None
-    if error is not None:  # one message per node: its other ranks read the same files
-        local_error = SystemExit(1) if local_rank != 0 else UsageError(
-            f"MNIST unavailable on {socket.gethostname()}: {error}. Put {', '.join(MNIST_FILES)} "
-            f"in {os.path.abspath(raw)}, or use --dataset synthetic")
-    stop_together(local_error)
+    if error is not None:  # the ranks of a node that fail alike print one message
+        error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
+                 f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
+    stop_together(error)
     return train_x, train_y.long(), test_x, test_y.long()
 
 
@@ -270,9 +284,26 @@ def build_data(args, rank, local_rank, device):
     else:
         train_x, train_y, test_x, test_y = load_mnist(args.data, not args.no_download,
                                                        rank, local_rank)
+    check_same_data_everywhere((train_x, train_y, test_x, test_y))
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
     return tuple(t.to(device) for t in (train_x, train_y, test_x, test_y))
+
+
+def check_same_data_everywhere(tensors):
+    """Stop unless every rank holds rank 0's data set. Nodes with different copies of MNIST
+    would train on different samples, and with different sizes take different numbers of
+    steps and hang at the first collective one of them skips."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().numpy(), crc)  # 8 ms for MNIST
+    mine = f"{len(tensors[0])} training and {len(tensors[2])} test samples, CRC32 {crc:08x}"
+    host0, theirs = all_gather((socket.gethostname(), mine))[0]
+    error = None
+    if mine != theirs:
+        error = (f"the data set on {socket.gethostname()} ({mine}) differs from rank 0's on "
+                 f"{host0} ({theirs}): give every node the same files")
+    stop_together(error)
 
 
 def normalize(images):
@@ -304,17 +335,16 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-def check_no_batch_of_one(model, samples_per_rank, batch_size, rank):
+def check_no_batch_of_one(model, samples_per_rank, batch_size):
     """BatchNorm cannot train on a micro-batch of one sample (resnet18's last one sees a
     1x1 map); refuse a --batch-size that makes one, before any training is lost."""
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        return
-    if batch_size == 1 or samples_per_rank % batch_size == 1:
-        if rank == 0:  # every rank comes to the same verdict; one says why
-            raise UsageError(f"--batch-size {batch_size} leaves micro-batches of one sample "
-                             f"({samples_per_rank} samples per rank), on which the model's "
-                             "BatchNorm cannot train: choose another --batch-size")
-        raise SystemExit(1)
+    has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    error = None
+    if has_batch_norm and (batch_size == 1 or samples_per_rank % batch_size == 1):
+        error = (f"--batch-size {batch_size} leaves micro-batches of one sample "
+                 f"({samples_per_rank} samples per rank), on which the model's "
+                 "BatchNorm cannot train: choose another --batch-size")
+    stop_together(error)
 
 
 def build_model(arch):
@@ -369,7 +399,7 @@ def prepare_outputs(args, rank):
             if args.metrics:
                 open(args.metrics, "a").close()
         except OSError as e:
-            error = UsageError(f"cannot write {e.filename}: {e.strerror}")
+            error = f"cannot write {e.filename}: {e.strerror}"
     stop_together(error)
 
 
@@ -418,7 +448,7 @@ def load_checkpoint(path, args, rank, world_size):
             if mismatched:
                 error = (f"checkpoint {path} was written by a run with {', '.join(mismatched)}; "
                          "exact resume needs the same settings: use them, or another --checkpoint-dir")
-    stop_together(UsageError(error) if error else None)
+    stop_together(error)
     return broadcast_from_rank0(checkpoint)
 
 
@@ -521,7 +551,7 @@ def train(args, rank, local_rank, world_size, device):
 
     per_step = args.batch_size * args.accum_steps  # samples per rank per optimizer step
     samples_per_rank = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))
-    check_no_batch_of_one(model, samples_per_rank, args.batch_size, rank)
+    check_no_batch_of_one(model, samples_per_rank, args.batch_size)
     steps_per_epoch = -(-samples_per_rank // per_step)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
@@ -613,7 +643,8 @@ def main(argv=None):
         rank, local_rank, world_size, device = setup_distributed(args)
         return train(args, rank, local_rank, world_size, device)
     except UsageError as e:
-        sys.exit(f"train.py: error: {e}")
+        print_errors([e])
+        sys.exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.
         if distributed():

@@ -142,23 +142,45 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
 
 
-def test_mnist_unreadable_on_one_rank_only_stops_every_rank(mnist_dir, tmp_path):
-    # The files change under a reader, say: local rank 1 fails, local rank 0 reads them.
-    script = tmp_path / "fail_on_rank1.py"
+def torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir, change):
+    """train.py on two ranks, where local rank 1 passes each idx file it reads, `data` at
+    `path`, through `change`: lines of Python, as if on another node."""
+    script = tmp_path / "rank1_reads_otherwise.py"
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(REPO)!r})
 import train
 read_idx = train.read_idx
-def read_idx_or_fail(path):
+def read_idx_on_rank1(path):
+    data = read_idx(path)
     if os.environ["LOCAL_RANK"] == "1":
-        raise OSError(f"cannot read {{path}}")
-    return read_idx(path)
-train.read_idx = read_idx_or_fail
+        {change}
+    return data
+train.read_idx = read_idx_on_rank1
 train.main(sys.argv[1:])
 """)
     result = torchrun(2, *TINY, "--data", mnist_dir, script=script, timeout=60)
     assert result.returncode != 0 and "step" not in result.stdout
     assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
+    return result
+
+
+def test_mnist_unreadable_on_one_rank_only_stops_every_rank(mnist_dir, tmp_path):
+    # The files change under a reader, say: local rank 1 fails, local rank 0 reads them.
+    result = torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir,
+                                                   'raise OSError(f"cannot read {path}")')
+    assert result.stderr.count("MNIST unavailable on") == 1  # rank 1's, printed by rank 0
+    assert "OSError: cannot read" in result.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    # Another download of MNIST: the same sizes, other bytes.
+    ('if "train-images" in path: data = data.clone(); data[0, 0, 0] ^= 1',
+     "512 training and 101 test samples"),
+    # A truncated copy that still parses: one sample fewer, and as many steps per rank.
+    ('if "train-" in path: data = data[:-1]', "511 training and 101 test samples")])
+def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change, message):
+    result = torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir, change)
+    assert result.stderr.count("differs from rank 0's") == 1 and message in result.stderr
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
