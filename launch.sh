@@ -41,7 +41,8 @@
 #
 # If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C or
 # SIGTERM stops the job everywhere (exit 130 or 143). If launch.sh dies, each
-# host stops its part of the job as soon as its SSH input closes.
+# host stops its part of the job as soon as its SSH input closes; cut off
+# from launch.sh by the network, after 30 s without a word from it.
 
 set -euo pipefail
 
@@ -57,6 +58,11 @@ readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVI
 readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5
   -o ServerAliveInterval=5 -o ServerAliveCountMax=3)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
+# While the job runs, this script writes a NUL to every host's stdin every
+# HEARTBEAT_SECONDS. A host that hears nothing for SILENCE_SECONDS takes
+# this script for gone, as when its stdin closes: a network cut off without
+# a reset closes no connection, and the host's sshd would never notice.
+readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
@@ -95,12 +101,13 @@ check_node() {
 
 # Runs on each host: reads NUL-separated KEY=VALUE entries from stdin up to
 # an empty one, runs the command with them and LAUNCH_JOB=JOB in its
-# environment, and when it exits or stdin closes, kills every process that
-# carries the mark (torchrun starts its workers in sessions of their own).
-# ADDRESS is where the other hosts reach this one.
+# environment, and when it exits, or stdin closes or stays silent for
+# SILENCE seconds, kills every process that carries the mark (torchrun starts
+# its workers in sessions of their own). ADDRESS is where the other hosts
+# reach this one.
 run_node() {
-  local job=$1 workdir=$2 address=$3 entries=() entry interface torchrun_pid reader status
-  shift 3
+  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status
+  shift 4
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
     [[ -n $entry ]] || break
@@ -131,7 +138,7 @@ run_node() {
   # a channel of its own, and the two would meet again cut mid-line.
   env "${entries[@]}" LAUNCH_JOB="$job" "$@" </dev/null 2>&1 &
   torchrun_pid=$!
-  while IFS= read -r -d '' _; do :; done <&0 & # (without <&0: /dev/null)
+  while IFS= read -r -d '' -t "$silence" _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!
   # Polls rather than `wait -n`, which misses a job that ended before it was
   # called: the reader does, when launch.sh is stopped as the job starts.
@@ -139,7 +146,7 @@ run_node() {
     sleep 0.2
   done
   status=0
-  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed: stop the job
+  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed or silent: stop the job
     status=143
     signal_job TERM
     for _ in {1..25}; do # 5 s for the job to end on SIGTERM, then SIGKILL
@@ -335,7 +342,7 @@ start_hosts() {
   for i in "${!labels[@]}"; do
     mkfifo "$tmp/stdin.$i"
     set_node_args "$i"
-    build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$torchrun" \
+    build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
       "${node_args[@]}"
     # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
     ("${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
@@ -362,6 +369,11 @@ stop_hosts() {
   stopping=yes
 }
 
+send_heartbeat() {
+  local fd
+  for fd in "${stdin_fds[@]}"; do printf '\0' 2>/dev/null 1>&"$fd" || true; done
+}
+
 on_signal() {
   signal_status=${signal_status:-$1}
   stop_hosts
@@ -371,9 +383,13 @@ on_signal() {
 # than `wait -n -p`, which needs bash 5.1 (RHEL 8 has 4.4): `wait PID` still
 # gives the status of a process that is gone.
 wait_for_hosts() {
-  local pid i status
+  local pid i status heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
   while ((${#running[@]})); do
     sleep 0.2 || true # (killed by a Ctrl-C, which the trap handles)
+    if ((SECONDS >= heartbeat_due)); then
+      send_heartbeat
+      heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
+    fi
     for pid in "${!running[@]}"; do
       if kill -0 "$pid" 2>/dev/null; then continue; fi
       status=0
@@ -392,7 +408,7 @@ wait_for_hosts() {
 }
 
 print_summary() {
-  local i
+  local i why
   {
     echo "launch.sh: job $job_id, logs in $log_dir/"
     printf '  %-*s  %-4s  %s\n' "$label_width" HOST EXIT SECONDS
@@ -402,7 +418,11 @@ print_summary() {
     done
     if [[ -n $first_failure ]]; then
       i=$first_failure
-      echo "launch.sh: ${labels[i]} failed first (exit ${statuses[i]}); the end of its log:"
+      why="exit ${statuses[i]}"
+      if [[ ${statuses[i]} == 255 && -z ${local_node[i]} ]]; then
+        why+=": ssh lost the connection to it, or could not make one"
+      fi
+      echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
       tail -n 20 "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
     fi
   } >&2

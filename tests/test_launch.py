@@ -482,6 +482,37 @@ def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
     assert_nothing_left(cluster, launch)
 
 
+@pytest.mark.parametrize("cut", ["reset", "silent"])
+def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
+    """node2's SSH connection dies, with a reset (its sshd killed) or silently (its link
+    down: no packet passes, and only launch.sh's heartbeat going quiet tells node2)."""
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
+    link = f"{cluster.host('node2').netns}v"  # its end on the bridge
+
+    def job_on_node2():  # all but sshd: a silent cut leaves its session to TCP's retries
+        return [p for p in cluster.processes("node2") if not p[1][0].startswith("sshd")]
+    try:
+        if cut == "reset":
+            for pid, argv in cluster.processes("node2"):
+                if argv[0].startswith("sshd"):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        assert launch.wait(40) == 1, launch.err  # ssh's keep-alive gives up after 15 s
+        assert re.search(r"^launch.sh: node2 failed first \(exit 255: ssh lost the connection",
+                         launch.err, re.M), launch.err
+        deadline = time.monotonic() + 50  # 30 s of silence, then 5 s for SIGTERM
+        while job_on_node2() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not job_on_node2()
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    cluster.kill_all("node2")  # the sshd session, if it lingers
+    assert_nothing_left(cluster, launch)
+
+
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_every_host(cluster, tmp_path, start, signum, status):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
