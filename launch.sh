@@ -335,9 +335,8 @@ start_hosts() {
   local i fd
   # The hosts' pipelines ignore Ctrl-C and Ctrl-\, which a terminal sends to
   # the whole group: this script stops them, by closing their stdin. Killed
-  # by it, a local node would leave its torchrun behind, the pipe would lose
-  # the output, and a pipeline gone before it opened its stdin would leave
-  # this script waiting for it. Ignored here, so that they start ignoring it.
+  # by it, a local node would leave its torchrun behind, and the pipe would
+  # lose the output. Ignored here, so that they start ignoring it.
   trap '' INT QUIT
   for i in "${!labels[@]}"; do
     mkfifo "$tmp/stdin.$i"
@@ -354,18 +353,26 @@ start_hosts() {
   trap - QUIT
   trap '' PIPE # a host that is already gone must not kill this script
   for i in "${!labels[@]}"; do
-    exec {fd}>"$tmp/stdin.$i"
+    # Read-write: an open for writing alone would wait for the host's end to
+    # open, forever if its pipeline is already gone (a SIGTERM to the group).
+    exec {fd}<>"$tmp/stdin.$i"
     rm "$tmp/stdin.$i"
     printf '%s\0' "${env_entries[@]}" '' 2>/dev/null 1>&"$fd" || true
-    stdin_fds+=("$fd")
+    stdin_fds[i]=$fd
   done
   if [[ -n $stopping ]]; then stop_hosts; fi # a signal came while starting
 }
 
+# Closes host number $1's stdin, which stops it, if this script still holds it.
+close_stdin() {
+  local fd=${stdin_fds[$1]:-}
+  if [[ -n $fd ]]; then exec {fd}>&-; fi
+  unset "stdin_fds[$1]"
+}
+
 stop_hosts() {
-  local fd
-  for fd in "${stdin_fds[@]}"; do exec {fd}>&-; done
-  stdin_fds=()
+  local i
+  for i in "${!stdin_fds[@]}"; do close_stdin "$i"; done
   stopping=yes
 }
 
@@ -396,6 +403,7 @@ wait_for_hosts() {
       wait "$pid" || status=$?
       i=${running[$pid]}
       unset "running[$pid]"
+      close_stdin "$i"
       statuses[i]=$status
       durations[i]=$((SECONDS - started[i]))
       if [[ -n $stopping ]]; then stopped[i]=yes; fi
@@ -477,7 +485,9 @@ main() {
 
   printf -v job_id '%(%Y%m%d-%H%M%S)T-%s' -1 "$$"
   tmp=$(mktemp -d) # global: the EXIT trap runs after main returns
-  trap 'rm -rf "$tmp"' EXIT
+  # Only in this shell: a subshell that a signal kills before it drops the
+  # trap would run it too, and remove the FIFOs under this one.
+  trap 'if ((BASHPID == $$)); then rm -rf "$tmp"; fi' EXIT
   preflight
   if [[ -n $dry_run ]]; then
     print_dry_run

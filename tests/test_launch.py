@@ -688,3 +688,23 @@ def test_sigterm_to_the_whole_group_during_preflight_exits_143(tmp_path, start):
     time.sleep(3)  # "fine" has answered; "stuck" never will
     os.killpg(launch.pid, signal.SIGTERM)  # as timeout(1), systemd or Slurm do: its checks die too
     assert launch.wait(10) == 143, launch.err
+
+
+def test_sigterm_to_the_whole_group_while_hosts_start_exits_143(tmp_path, start):
+    """A host whose pipeline dies before launch.sh opens its stdin must not block launch.sh."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"127.0.0.{i}\n" for i in range(2, 102)))  # local: no SSH
+    fifos = tmp_path / "tmp"
+    fifos.mkdir()
+    launch = start(["--log-dir", tmp_path / "logs", "--torchrun", "/bin/true", hostfile, "1", *TRAIN],
+                   launch_env(TMPDIR=str(fifos)))
+    deadline = time.monotonic() + 60
+    while not list(fifos.glob("*/stdin.1")):  # host 0's pipeline is forked, host 1's is next
+        if launch.proc.poll() is not None or time.monotonic() > deadline:
+            launch.kill()
+            pytest.fail(f"launch.sh never started the hosts\n{launch.out}\n{launch.err}")
+        time.sleep(0.005)
+    os.kill(launch.pid, signal.SIGSTOP)  # in mid-loop: it has opened no host's stdin yet
+    os.killpg(launch.pid, signal.SIGTERM)  # host 0's pipeline dies now, launch.sh once resumed
+    os.kill(launch.pid, signal.SIGCONT)
+    assert launch.wait(20) == 143, launch.err
