@@ -24,7 +24,8 @@
 #                     machine's PATH, at the same absolute path)
 #   --workdir DIR     directory to run in on every host (default: this one)
 #   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
-#                     (no $VAR expansion, no quote removal)
+#                     (no $VAR expansion, no quote removal; 4 KiB in all
+#                     with the forwarded variables)
 #   --port PORT       rendezvous port on the first host (default: a free one)
 #   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
 #   --dry-run         check the hosts, print each host's command, start nothing
@@ -42,7 +43,8 @@
 # If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C or
 # SIGTERM stops the job everywhere (exit 130 or 143). If launch.sh dies, each
 # host stops its part of the job as soon as its SSH input closes; cut off
-# from launch.sh by the network, after 30 s without a word from it.
+# from launch.sh by the network, or with launch.sh stopped (Ctrl-Z), after
+# 30 s without a word from it.
 
 set -euo pipefail
 
@@ -63,6 +65,7 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # this script for gone, as when its stdin closes: a network cut off without
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
+readonly MAX_ENV_BYTES=4096 # what any pipe holds (Linux: 64 KiB; a FIFO on macOS: 8 KiB)
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
@@ -176,20 +179,26 @@ build_command() {
 
 # Fills env_entries with what every host gets in its environment.
 collect_env() {
-  local name line n=0
+  local name line n=0 size
   env_entries=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) # a fresh store per restart round
   while IFS= read -r name; do
     if [[ $name =~ $FORWARDED ]]; then env_entries+=("$name=${!name}"); fi
   done < <(compgen -e)
-  [[ -n $env_file ]] || return 0
-  [[ -f $env_file ]] || die "$env_file: no such file"
-  while IFS= read -r line || [[ -n $line ]]; do
-    n=$((n + 1))
-    line=${line%$'\r'} # written on Windows
-    [[ $(trim "$line") =~ ^(#|$) ]] && continue
-    [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
-    env_entries+=("$line")
-  done <"$env_file"
+  if [[ -n $env_file ]]; then
+    [[ -f $env_file ]] || die "$env_file: no such file"
+    while IFS= read -r line || [[ -n $line ]]; do
+      n=$((n + 1))
+      line=${line%$'\r'} # written on Windows
+      [[ $(trim "$line") =~ ^(#|$) ]] && continue
+      [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
+      env_entries+=("$line")
+    done <"$env_file"
+  fi
+  # start_hosts writes them into each host's pipe before the host starts:
+  # more than the pipe holds would block it there.
+  size=$(($(printf '%s\0' "${env_entries[@]}" | wc -c))) # $((...)): BSD wc pads with spaces
+  ((size <= MAX_ENV_BYTES)) \
+    || die "the variables for the hosts (forwarded and --env-file) take $size bytes; at most $MAX_ENV_BYTES fit"
 }
 
 # Runs check_node on every host in parallel, each into $tmp/preflight.N. Cuts
@@ -329,38 +338,63 @@ prefix_lines() {
   done
 }
 
+# Opens a pipe for host number $1's stdin: this script writes to
+# stdin_fds[$1], the host reads from read_fds[$1]. Bash has no pipe(2), so
+# it is a FIFO, opened read-write first because either end alone would wait
+# for the other, and removed once both ends are open.
+open_pipe() {
+  local fifo=$tmp/stdin.$1 both write read
+  mkfifo "$fifo"
+  exec {both}<>"$fifo"
+  exec {write}>"$fifo"
+  exec {read}<"$fifo" {both}>&-
+  rm "$fifo"
+  stdin_fds[$1]=$write
+  read_fds[$1]=$read
+}
+
+# Run by each host's pipeline as it starts: its stdin is its pipe's read
+# end, and it holds no write end, which would keep its stdin from closing.
+take_stdin() {
+  local fd
+  exec <&"${read_fds[$1]}"
+  for fd in "${stdin_fds[@]}" "${read_fds[@]}"; do exec {fd}>&-; done
+}
+
 # Starts torchrun on every host, each with its stdin held open by this
 # script only: closing it (or dying) stops that host.
 start_hosts() {
   local i fd
+  # A SIGTERM meanwhile is only noted, so that this script holds every write
+  # end when it stops the hosts, once every one has started.
+  trap 'signal_status=${signal_status:-143}' TERM
+  for i in "${!labels[@]}"; do
+    open_pipe "$i"
+    # MAX_ENV_BYTES at most: the pipe holds them until the host reads.
+    printf '%s\0' "${env_entries[@]}" '' >&"${stdin_fds[i]}"
+  done
   # The hosts' pipelines ignore Ctrl-C and Ctrl-\, which a terminal sends to
   # the whole group: this script stops them, by closing their stdin. Killed
   # by it, a local node would leave its torchrun behind, and the pipe would
   # lose the output. Ignored here, so that they start ignoring it.
   trap '' INT QUIT
   for i in "${!labels[@]}"; do
-    mkfifo "$tmp/stdin.$i"
     set_node_args "$i"
     build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
       "${node_args[@]}"
     # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
-    ("${cmd[@]}" <"$tmp/stdin.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" |
-      prefix_lines "${labels[i]}") &
+    (take_stdin "$i"; "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}") &
     running[$!]=$i
     started[i]=$SECONDS
+    fd=${read_fds[i]}
+    exec {fd}<&-
+    unset "read_fds[i]"
   done
   trap 'on_signal 130' INT
+  trap 'on_signal 143' TERM
   trap - QUIT
   trap '' PIPE # a host that is already gone must not kill this script
-  for i in "${!labels[@]}"; do
-    # Read-write: an open for writing alone would wait for the host's end to
-    # open, forever if its pipeline is already gone (a SIGTERM to the group).
-    exec {fd}<>"$tmp/stdin.$i"
-    rm "$tmp/stdin.$i"
-    printf '%s\0' "${env_entries[@]}" '' 2>/dev/null 1>&"$fd" || true
-    stdin_fds[i]=$fd
-  done
-  if [[ -n $stopping ]]; then stop_hosts; fi # a signal came while starting
+  if [[ -n $signal_status ]]; then stop_hosts; fi
 }
 
 # Closes host number $1's stdin, which stops it, if this script still holds it.
@@ -427,9 +461,10 @@ print_summary() {
     if [[ -n $first_failure ]]; then
       i=$first_failure
       why="exit ${statuses[i]}"
-      if [[ ${statuses[i]} == 255 && -z ${local_node[i]} ]]; then
-        why+=": ssh lost the connection to it, or could not make one"
-      fi
+      case ${statuses[i]} in
+        255) [[ -n ${local_node[i]} ]] || why+=": ssh lost the connection to it, or could not make one" ;;
+        143) why+=": a SIGTERM there, or $SILENCE_SECONDS s without a word from launch.sh (was it stopped?)" ;;
+      esac
       echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
       tail -n 20 "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
     fi
@@ -441,7 +476,7 @@ main() {
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
-  local ssh_command=() stdin_fds=() started=() statuses=() durations=() stopped=()
+  local ssh_command=() stdin_fds=() read_fds=() started=() statuses=() durations=() stopped=()
   local stopping='' first_failure='' signal_status='' label_width
   local -A running=()
 
@@ -496,7 +531,6 @@ main() {
 
   log_dir=$log_dir/$job_id
   mkdir -p "$log_dir"
-  trap 'on_signal 143' TERM
   start_hosts
   wait_for_hosts
   print_summary

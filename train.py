@@ -127,8 +127,9 @@ def setup_distributed(args):
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has "
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world_size > torch.cuda.device_count():
+            raise UsageError(f"{local_world_size} processes on {socket.gethostname()}, which has "
                              f"{torch.cuda.device_count()} GPU(s) visible: run at most that many "
                              "processes per node")
         # Fix: the pattern never called set_device, so NCCL put every process's
@@ -229,6 +230,8 @@ def read_idx(path):
     if zero != 0 or value_type != 0x08:
         raise ValueError(f"{path} is not an idx file of uint8")
     shape = struct.unpack_from(f">{ndim}I", data, 4)
+    if math.prod(shape) == 0:
+        raise ValueError(f"{path} holds no samples")
     header = 4 + 4 * ndim
     if len(data) != header + math.prod(shape):
         raise ValueError(f"{path} holds {len(data) - header} bytes of values, "
@@ -268,7 +271,7 @@ def load_mnist(root, download, rank, local_rank):
                                      f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
-    if error is not None:  # the ranks of a node that fail alike print one message
+    if error is not None:  # the ranks of a node that fail alike send one message, printed once
         error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
                  f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
     stop_together(error)
@@ -643,7 +646,12 @@ def main(argv=None):
         rank, local_rank, world_size, device = setup_distributed(args)
         return train(args, rank, local_rank, world_size, device)
     except UsageError as e:
-        print_errors([e])
+        # Raised before the process group exists, and alike on every rank of a node: local
+        # rank 0 says it once, and the others wait for torchrun to stop them.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print_errors([e])
+        else:
+            time.sleep(10)
         sys.exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.

@@ -183,22 +183,32 @@ def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change
     assert result.stderr.count("differs from rank 0's") == 1 and message in result.stderr
 
 
+def test_nccl_without_a_gpu_is_one_message_per_node():
+    result = torchrun(2, "--backend", "nccl", "--dataset", "synthetic", timeout=60)
+    assert result.returncode != 0 and "step" not in result.stdout
+    assert result.stderr.count("--backend nccl needs CUDA") == 1  # from local rank 0 alone
+    assert f'File "{TRAIN}"' not in result.stderr
+
+
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
     images = torch.randint(0, 256, (3, 28, 28), dtype=torch.uint8)
     write_idx(tmp_path / "images", images)
     assert torch.equal(train.read_idx(tmp_path / "images"), images)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not_idx"])
-def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage):
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:-1], "holds 100 bytes of values, not 101"),
+    (lambda data: b"<html>" + data, "is not an idx file of uint8"),
+    (lambda data: data[:4] + b"\0\0\0\0", "holds no samples")],  # an empty download
+    ids=["truncated", "not_idx", "no_samples"])
+def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage, message):
     shutil.copytree(mnist_dir, tmp_path / "data")
     labels = tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
-    data = labels.read_bytes()
-    labels.write_bytes(data[:-1] if damage == "truncated" else b"<html>" + data)
+    labels.write_bytes(damage(labels.read_bytes()))
     result = run([sys.executable, TRAIN, *TINY, "--data", tmp_path / "data", "--max-steps", "1"],
                  timeout=60)
     assert result.returncode == 1
-    assert "cannot read them" in result.stderr and str(labels) in result.stderr
+    assert f"cannot read them (ValueError: {labels} {message})" in result.stderr
     assert "Traceback" not in result.stderr
 
 
