@@ -65,7 +65,7 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # this script for gone, as when its stdin closes: a network cut off without
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
-readonly MAX_ENV_BYTES=4096 # what any pipe holds (Linux: 64 KiB; a FIFO on macOS: 8 KiB)
+readonly MAX_ENV_BYTES=4096 # what any pipe holds: at least a page on Linux, 8 KiB on macOS
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
@@ -152,8 +152,11 @@ run_node() {
   if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed or silent: stop the job
     status=143
     signal_job TERM
-    for _ in {1..25}; do # 5 s for the job to end on SIGTERM, then SIGKILL
-      [[ -n $(job_pids) ]] || break
+    # 5 s for the workers to end on SIGTERM, then SIGKILL. torchrun itself,
+    # their parent, would then spend seconds closing the rendezvous; as the
+    # whole job is ending, nobody needs that.
+    for _ in {1..25}; do
+      job_pids | grep -qvxF "$torchrun_pid" || break # none left but torchrun
       sleep 0.2
     done
   else
@@ -196,7 +199,7 @@ collect_env() {
   fi
   # start_hosts writes them into each host's pipe before the host starts:
   # more than the pipe holds would block it there.
-  size=$(($(printf '%s\0' "${env_entries[@]}" | wc -c))) # $((...)): BSD wc pads with spaces
+  size=$(($(printf '%s\0' "${env_entries[@]}" '' | wc -c))) # $((...)): BSD wc pads with spaces
   ((size <= MAX_ENV_BYTES)) \
     || die "the variables for the hosts (forwarded and --env-file) take $size bytes; at most $MAX_ENV_BYTES fit"
 }
@@ -338,18 +341,15 @@ prefix_lines() {
   done
 }
 
-# Opens a pipe for host number $1's stdin: this script writes to
-# stdin_fds[$1], the host reads from read_fds[$1]. Bash has no pipe(2), so
-# it is a FIFO, opened read-write first because either end alone would wait
-# for the other, and removed once both ends are open.
+# Opens host number $1's stdin: a pipe, made of its FIFO because bash has
+# no pipe(2). This script writes to write_fds[$1], the host reads from
+# read_fds[$1]. Read-write first: either end alone would wait for the other.
 open_pipe() {
   local fifo=$tmp/stdin.$1 both write read
-  mkfifo "$fifo"
   exec {both}<>"$fifo"
   exec {write}>"$fifo"
   exec {read}<"$fifo" {both}>&-
-  rm "$fifo"
-  stdin_fds[$1]=$write
+  write_fds[$1]=$write
   read_fds[$1]=$read
 }
 
@@ -358,32 +358,42 @@ open_pipe() {
 take_stdin() {
   local fd
   exec <&"${read_fds[$1]}"
-  for fd in "${stdin_fds[@]}" "${read_fds[@]}"; do exec {fd}>&-; done
+  for fd in "${write_fds[@]}" "${read_fds[@]}"; do exec {fd}>&-; done
 }
 
-# Starts torchrun on every host, each with its stdin held open by this
-# script only: closing it (or dying) stops that host.
+# Runs host number $1's part of the job, in a subshell of its own, with its
+# output in its log and here, each line prefixed with the host.
+run_host() {
+  local i=$1
+  # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
+  # whole group: this script stops them, by closing their stdin. Killed by
+  # it, a local node would leave its torchrun behind, and the pipe would lose
+  # the output. (Bash ignores them in a background subshell, but not in the
+  # programs that subshell runs.)
+  trap '' INT QUIT
+  take_stdin "$i"
+  set_node_args "$i"
+  build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
+    "${node_args[@]}"
+  "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
+}
+
+# Starts every host, each with its stdin held open by this script only:
+# closing it (or dying) stops that host.
 start_hosts() {
-  local i fd
-  # A SIGTERM meanwhile is only noted, so that this script holds every write
-  # end when it stops the hosts, once every one has started.
+  local i fd fifos=()
+  for i in "${!labels[@]}"; do fifos+=("$tmp/stdin.$i"); done
+  mkfifo "${fifos[@]}"
+  # Until every host has started, this script runs no other program (one
+  # killed by a signal to the whole group would end it, through set -e),
+  # and a signal is only noted: the hosts stop once all have started.
+  trap 'signal_status=${signal_status:-130}' INT
   trap 'signal_status=${signal_status:-143}' TERM
   for i in "${!labels[@]}"; do
     open_pipe "$i"
     # MAX_ENV_BYTES at most: the pipe holds them until the host reads.
-    printf '%s\0' "${env_entries[@]}" '' >&"${stdin_fds[i]}"
-  done
-  # The hosts' pipelines ignore Ctrl-C and Ctrl-\, which a terminal sends to
-  # the whole group: this script stops them, by closing their stdin. Killed
-  # by it, a local node would leave its torchrun behind, and the pipe would
-  # lose the output. Ignored here, so that they start ignoring it.
-  trap '' INT QUIT
-  for i in "${!labels[@]}"; do
-    set_node_args "$i"
-    build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
-      "${node_args[@]}"
-    # A subshell: wait_for_hosts gets the status of the whole pipeline by its pid.
-    (take_stdin "$i"; "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}") &
+    printf '%s\0' "${env_entries[@]}" '' >&"${write_fds[i]}"
+    run_host "$i" & # wait_for_hosts gets the status of its whole pipeline by this pid
     running[$!]=$i
     started[i]=$SECONDS
     fd=${read_fds[i]}
@@ -392,27 +402,26 @@ start_hosts() {
   done
   trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
-  trap - QUIT
   trap '' PIPE # a host that is already gone must not kill this script
   if [[ -n $signal_status ]]; then stop_hosts; fi
 }
 
 # Closes host number $1's stdin, which stops it, if this script still holds it.
 close_stdin() {
-  local fd=${stdin_fds[$1]:-}
+  local fd=${write_fds[$1]:-}
   if [[ -n $fd ]]; then exec {fd}>&-; fi
-  unset "stdin_fds[$1]"
+  unset "write_fds[$1]"
 }
 
 stop_hosts() {
   local i
-  for i in "${!stdin_fds[@]}"; do close_stdin "$i"; done
+  for i in "${!write_fds[@]}"; do close_stdin "$i"; done
   stopping=yes
 }
 
 send_heartbeat() {
   local fd
-  for fd in "${stdin_fds[@]}"; do printf '\0' 2>/dev/null 1>&"$fd" || true; done
+  for fd in "${write_fds[@]}"; do printf '\0' 2>/dev/null 1>&"$fd" || true; done
 }
 
 on_signal() {
@@ -476,7 +485,7 @@ main() {
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
-  local ssh_command=() stdin_fds=() read_fds=() started=() statuses=() durations=() stopped=()
+  local ssh_command=() write_fds=() read_fds=() started=() statuses=() durations=() stopped=()
   local stopping='' first_failure='' signal_status='' label_width
   local -A running=()
 
@@ -521,7 +530,7 @@ main() {
   printf -v job_id '%(%Y%m%d-%H%M%S)T-%s' -1 "$$"
   tmp=$(mktemp -d) # global: the EXIT trap runs after main returns
   # Only in this shell: a subshell that a signal kills before it drops the
-  # trap would run it too, and remove the FIFOs under this one.
+  # trap would run it too, and remove $tmp under this one.
   trap 'if ((BASHPID == $$)); then rm -rf "$tmp"; fi' EXIT
   preflight
   if [[ -n $dry_run ]]; then
