@@ -17,6 +17,12 @@ TRAIN = REPO / "train.py"
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def pytest_configure(config):
+    # A SIGTERM (timeout(1), a CI runner cancelling) unwinds like Ctrl-C, so that the
+    # fixtures still stop what they started: launchers, sshds, network namespaces.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def run(cmd, timeout=120, gpus=False, **kwargs):
     """Run cmd in its own process group; on timeout stop the whole group and fail the test,
     so a hang (torchrun and all of its workers) never outlives the test. The GPUs stay
