@@ -230,12 +230,12 @@ def read_idx(path):
     if zero != 0 or value_type != 0x08:
         raise ValueError(f"{path} is not an idx file of uint8")
     shape = struct.unpack_from(f">{ndim}I", data, 4)
-    if math.prod(shape) == 0:
+    values = math.prod(shape)
+    if values == 0:
         raise ValueError(f"{path} holds no samples")
     header = 4 + 4 * ndim
-    if len(data) != header + math.prod(shape):
-        raise ValueError(f"{path} holds {len(data) - header} bytes of values, "
-                         f"not {math.prod(shape)}")
+    if len(data) != header + values:
+        raise ValueError(f"{path} holds {len(data) - header} bytes of values, not {values}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header).view(shape)
 
 
