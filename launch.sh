@@ -204,6 +204,12 @@ collect_env() {
     || die "the variables for the hosts (forwarded and --env-file) take $size bytes; at most $MAX_ENV_BYTES fit"
 }
 
+# Sleeps $1 seconds in this shell. The program sleep would put this script's
+# traps off until it ended, and hold the hosts' pipes open meanwhile.
+pause() {
+  read -r -t "$1" -u "$idle_fd" _ || true # nothing ever writes to it
+}
+
 # Runs check_node on every host in parallel, each into $tmp/preflight.N. Cuts
 # off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
 # in timed_out.
@@ -226,7 +232,7 @@ run_checks() {
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
     done
     if ((${#pending[@]} == 0 || SECONDS > deadline)); then break; fi
-    sleep 0.1 || true # (killed by a Ctrl-C, which the trap handles)
+    pause 0.1
   done
   if ((${#pending[@]})); then
     for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
@@ -435,7 +441,7 @@ on_signal() {
 wait_for_hosts() {
   local pid i status heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
   while ((${#running[@]})); do
-    sleep 0.2 || true # (killed by a Ctrl-C, which the trap handles)
+    pause 0.2
     if ((SECONDS >= heartbeat_due)); then
       send_heartbeat
       heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
@@ -532,6 +538,8 @@ main() {
   # Only in this shell: a subshell that a signal kills before it drops the
   # trap would run it too, and remove $tmp under this one.
   trap 'if ((BASHPID == $$)); then rm -rf "$tmp"; fi' EXIT
+  mkfifo "$tmp/idle"
+  exec {idle_fd}<>"$tmp/idle" # for pause
   preflight
   if [[ -n $dry_run ]]; then
     print_dry_run
