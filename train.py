@@ -38,6 +38,9 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
 EVAL_BATCH_SIZE = 1024
 # Arguments that fix the training trajectory: a checkpoint only resumes a run that agrees on them.
 TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp", "compile"]
+# Arguments that may differ from node to node (a path on each node's own disks); all the
+# others must be rank 0's on every rank.
+PER_NODE_ARGS = ["data"]
 # What save_checkpoint writes; a file without all of it is not a train.py checkpoint.
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 
@@ -83,7 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=positive_int, default=2,
                    help="total epochs of the run, counted from its start, not from a resume")
     p.add_argument("--max-steps", type=positive_int, default=None,
-                   help="stop (evaluate, save) after this many optimizer steps in total")
+                   help="stop (evaluate, save) after this many optimizer steps in total, "
+                        "or at the end of --epochs if that comes first")
     p.add_argument("--batch-size", type=positive_int, default=64,
                    help="samples per process per micro-step; the global batch is "
                         "batch-size x world size x accum-steps")
@@ -118,6 +122,20 @@ def setup_distributed(args):
     """Return (rank, local_rank, world_size, device); init the process group under torchrun."""
     # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
     # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
+    if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
+        missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if v not in os.environ]
+        if missing:
+            raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
+                             "torchrun, which sets them all, or unset RANK")
+        # By default torchrun's restarts reuse the rendezvous store of the first round, and
+        # restarted workers can read the addresses of dead ones: they fail to connect or hang
+        # (pytorch#135712, #167288).
+        if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
+                             "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
+                             "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -139,7 +157,7 @@ def setup_distributed(args):
     else:
         # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
         device = torch.device("cpu")
-    if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
+    if "RANK" in os.environ:
         # A bounded timeout: a dead peer ends the job instead of hanging it. device_id binds
         # NCCL to this process's GPU instead of letting it guess one from the global rank.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
@@ -257,18 +275,23 @@ def load_mnist(root, download, rank, local_rank):
                 for split_is_train in (True, False):
                     torchvision.datasets.MNIST(root, train=split_is_train, download=True)
             except Exception as e:  # offline, a mirror down, a full disk ...
-                error = f"download failed ({type(e).__name__}: {e})"
+                error = f"download failed ({type(e).__name__}: {' '.join(str(e).split())})"
         if distributed():
             dist.barrier()
     if not present() and error is None:
         error = "the files are missing and --no-download is set" if not download else "not found"
     if error is None:
         try:
-            train_x, train_y, test_x, test_y = (read_idx(os.path.join(raw, f)) for f in MNIST_FILES)
-            for images, labels in ((train_x, train_y), (test_x, test_y)):
+            paths = [os.path.join(raw, f) for f in MNIST_FILES]
+            train_x, train_y, test_x, test_y = (read_idx(path) for path in paths)
+            for images, labels, labels_path in ((train_x, train_y, paths[1]),
+                                                (test_x, test_y, paths[3])):
                 if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
                     raise ValueError(f"images {tuple(images.shape)} and labels "
                                      f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
+                if labels.max() > 9:  # else a traceback in cross_entropy, maybe epochs later
+                    raise ValueError(f"{labels_path} has a label {int(labels.max())}; "
+                                     "MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
     if error is not None:  # the ranks of a node that fail alike send one message, printed once
@@ -291,6 +314,21 @@ def build_data(args, rank, local_rank, device):
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
     return tuple(t.to(device) for t in (train_x, train_y, test_x, test_y))
+
+
+def check_same_args_everywhere(args):
+    """Stop unless every rank has rank 0's arguments. Started by hand on each node, torchrun
+    takes each node's own command line, and a node whose line differs would train on other
+    samples, at another rate, or hang the job at a collective its ranks skip."""
+    mine = {k: v for k, v in vars(args).items() if k not in PER_NODE_ARGS}
+    host0, theirs = all_gather((socket.gethostname(), mine))[0]
+    differing = [f"--{k.replace('_', '-')} {mine[k]} (rank 0: {theirs[k]})"
+                 for k in mine if mine[k] != theirs[k]]
+    error = None
+    if differing:
+        error = (f"train.py on {socket.gethostname()} has other arguments than rank 0 on {host0}: "
+                 f"{', '.join(differing)}; start every node with the same ones")
+    stop_together(error)
 
 
 def check_same_data_everywhere(tensors):
@@ -399,6 +437,10 @@ def prepare_outputs(args, rank):
         try:
             if args.checkpoint_dir:
                 os.makedirs(args.checkpoint_dir, exist_ok=True)
+                # It may exist and still be read-only: write what save_checkpoint writes first.
+                probe = os.path.join(args.checkpoint_dir, "last.pt.tmp")
+                open(probe, "ab").close()
+                os.remove(probe)
             if args.metrics:
                 open(args.metrics, "a").close()
         except OSError as e:
@@ -543,6 +585,7 @@ def train(args, rank, local_rank, world_size, device):
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
+    check_same_args_everywhere(args)
     prepare_outputs(args, rank)
     train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
 
@@ -664,6 +707,7 @@ if __name__ == "__main__":
     # Done, and the process group destroyed. Skip the interpreter's C++ teardown: with
     # gloo, torch 2.14 aborts there now and then ("terminate called without an active
     # exception", about 1 run in 20 at 3 ranks), and torchrun would fail the finished job.
+    # atexit handlers do not run either: close your loggers (wandb, TensorBoard) before.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -183,6 +183,43 @@ def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change
     assert result.stderr.count("differs from rank 0's") == 1 and message in result.stderr
 
 
+def test_other_arguments_on_one_rank_stop_every_rank(tmp_path):
+    # As if torchrun had been started by hand on another node with another command line.
+    script = tmp_path / "rank1_has_other_arguments.py"
+    script.write_text(f"""import os, sys
+sys.path.insert(0, {str(REPO)!r})
+import train
+rank1 = ["--seed", "1", "--lr", "0.5"] if os.environ["LOCAL_RANK"] == "1" else []
+train.main(sys.argv[1:] + rank1)
+""")
+    result = torchrun(2, "--arch", "cnn", "--dataset", "synthetic", script=script, timeout=60)
+    assert result.returncode != 0 and "step" not in result.stdout
+    assert result.stderr.count("other arguments than rank 0") == 1
+    assert "--lr 0.5 (rank 0: 0.01), --seed 1 (rank 0: 0)" in result.stderr
+
+
+@pytest.mark.parametrize("fresh_store", [False, True])
+def test_torchrun_restarts_need_a_fresh_store_per_round(tmp_path, fresh_store):
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if fresh_store else "0"}
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node=1", "--max-restarts=1", TRAIN, "--arch", "cnn",
+                  "--dataset", "synthetic", "--max-steps", "1"], env=env, timeout=90)
+    if fresh_store:
+        assert_ok(result)
+    else:  # refused in each of the two rounds, before any step
+        assert result.returncode != 0 and "step" not in result.stdout
+        assert result.stderr.count("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") == 2
+        assert f'File "{TRAIN}"' not in result.stderr
+
+
+def test_rank_set_by_hand_without_torchrun_is_one_line():
+    result = run([sys.executable, TRAIN, "--dataset", "synthetic"], env={"RANK": "0"}, timeout=60)
+    assert result.returncode == 1 and "step" not in result.stdout
+    assert result.stderr == ("train.py: error: RANK is set but not LOCAL_RANK, WORLD_SIZE, "
+                             "MASTER_ADDR, MASTER_PORT: start train.py with torchrun, which sets "
+                             "them all, or unset RANK\n")
+
+
 def test_nccl_without_a_gpu_is_one_message_per_node():
     result = torchrun(2, "--backend", "nccl", "--dataset", "synthetic", timeout=60)
     assert result.returncode != 0 and "step" not in result.stdout
@@ -199,8 +236,9 @@ def test_read_idx_reads_what_write_idx_wrote(tmp_path):
 @pytest.mark.parametrize("damage, message", [
     (lambda data: data[:-1], "holds 100 bytes of values, not 101"),
     (lambda data: b"<html>" + data, "is not an idx file of uint8"),
-    (lambda data: data[:4] + b"\0\0\0\0", "holds no samples")],  # an empty download
-    ids=["truncated", "not_idx", "no_samples"])
+    (lambda data: data[:4] + b"\0\0\0\0", "holds no samples"),  # an empty download
+    (lambda data: data[:-1] + b"\xc8", "has a label 200; MNIST's are 0 to 9")],  # not MNIST's
+    ids=["truncated", "not_idx", "no_samples", "label_200"])
 def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage, message):
     shutil.copytree(mnist_dir, tmp_path / "data")
     labels = tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
@@ -226,6 +264,7 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
 @pytest.mark.parametrize("setting, message", [
     (["--metrics", "missing/m.jsonl"], "cannot write missing/m.jsonl"),
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
+    (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
 def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, setting, message):
     (tmp_path / "a_file").touch()
