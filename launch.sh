@@ -136,10 +136,15 @@ run_node() {
     mapfile -t pids < <(job_pids)
     if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
   }
-  # env: the entries reach the command only, so this shell keeps its PATH for
-  # the clean-up whatever an --env-file line sets. 2>&1: ssh carries stderr on
-  # a channel of its own, and the two would meet again cut mid-line.
-  env "${entries[@]}" LAUNCH_JOB="$job" "$@" </dev/null 2>&1 &
+  # Exported in a subshell that becomes torchrun: the entries reach the job
+  # only, so this shell keeps its PATH for the clean-up whatever an --env-file
+  # line sets, and no command line holds their values (`env NAME=VALUE ...`
+  # would show them in ps). 2>&1: ssh carries stderr on a channel of its own,
+  # and the two would meet again cut mid-line.
+  (
+    for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
+    exec "$@"
+  ) </dev/null 2>&1 &
   torchrun_pid=$!
   while IFS= read -r -d '' -t "$silence" _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!

@@ -59,7 +59,12 @@ drop_local_hosts() {
 }
 
 create_key() {
-  [[ ! -e $key ]] || return 0
+  [[ $key != *.pub ]] || die "--key takes the private key, ${key%.pub}, not $key"
+  if [[ -e $key ]]; then
+    [[ -f $key.pub ]] || die "no $key.pub: --key takes a private key with its public key" \
+      "beside it ('ssh-keygen -y -f $key > $key.pub' writes it)"
+    return 0
+  fi
   (umask 077 && mkdir -p "$(dirname -- "$key")")
   ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(hostname)" -f "$key"
   echo "setup_ssh.sh: created $key" >&2

@@ -12,7 +12,7 @@
 trim() {
   local text=$1
   text=${text#"${text%%[![:space:]]*}"}
-  echo "${text%"${text##*[![:space:]]}"}"
+  printf '%s\n' "${text%"${text##*[![:space:]]}"}" # (echo would take -n, -e as options)
 }
 
 is_port() {

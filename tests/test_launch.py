@@ -226,23 +226,47 @@ def test_output_lines_arrive_whole(cluster, tmp_path, start):
     assert [line for line in noisy if not whole.match(line)] == []
 
 
+@contextlib.contextmanager
+def programs_started(pids, trace):
+    """Record in file trace every program started by the processes pids and their
+    descendants while the with block runs: execve with its arguments (not its environment)."""
+    if not shutil.which("strace"):
+        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
+            pytest.fail("strace not installed (REQUIRE_CLUSTER_TESTS=1)")
+        pytest.skip("strace not installed")
+    log = trace.with_suffix(".log")
+    with open(log, "w") as err:
+        tracer = subprocess.Popen(["strace", "-f", "-e", "trace=execve", "-s", "100000", "-o", trace,
+                                   *[arg for pid in pids for arg in ("-p", str(pid))]], stderr=err)
+    try:
+        deadline = time.monotonic() + 10
+        while log.read_text().count(" attached") < len(pids):
+            assert tracer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield
+    finally:
+        tracer.terminate()  # strace detaches and leaves the processes running
+        tracer.wait(10)
+
+
 def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start):
     secret, torch_secret = "s3cret-from-env-file", "s3cret-from-environment"
     env_file = tmp_path / "env"
     env_file.write_text(f"PROBE_SECRET={secret}\n")
-    launch = start(
-        ["--log-dir", tmp_path / "logs", "--env-file", env_file,
-         cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2]), "2",
-         "tests/dist_probe.py", "--steps", "8", "--sleep", "0.5", "--echo", ODD_ARG],
-        launch_env(cluster, TORCH_PROBE_SECRET=torch_secret, LAUNCHER_ONLY="not forwarded"),
-    )
-    launch.wait_for_output(r"^node\d: probe: running")
-    command_lines = [
-        Path(f"/proc/{e.name}/cmdline").read_bytes()
-        for e in os.scandir("/proc") if e.name.isdigit() and os.path.exists(f"/proc/{e.name}/cmdline")
-    ]
-    assert not [c for c in command_lines if secret.encode() in c or torch_secret.encode() in c]
-    assert launch.wait(60) == 0, launch.out + launch.err
+    sshds = [cluster.host(name).sshd_pid() for name in cluster.hosts[:2]]
+    with programs_started(sshds, tmp_path / "execve.trace"):
+        launch = run_launch(
+            start,
+            ["--log-dir", tmp_path / "logs", "--env-file", env_file,
+             cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2]), "2",
+             "tests/dist_probe.py", "--steps", "8", "--echo", ODD_ARG],
+            launch_env(cluster, TORCH_PROBE_SECRET=torch_secret, LAUNCHER_ONLY="not forwarded"),
+            timeout=60,
+        )
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    execs = (tmp_path / "execve.trace").read_text()
+    assert re.search(r'execve\("[^"]*/torchrun", ', execs)  # the trace saw the job start
+    assert secret not in execs and torch_secret not in execs  # in no program's arguments
     reports = re.findall(r"^(node\d): probe: rank=(\d) world_size=4 sum=6 (.*)$", launch.out, re.M)
     assert sorted(rank for _, rank, _ in reports) == ["0", "1", "2", "3"]
     assert sorted(host for host, _, _ in reports) == ["node1", "node1", "node2", "node2"]
@@ -376,6 +400,7 @@ def test_own_name_and_loopback_run_locally(tmp_path, start):
         ("`touch {marker}`\n", "2", "not a [user@]host[:port]"),
         ("-oProxyCommand=touch {marker}\n", "2", "not a [user@]host[:port]"),
         ("localhost other\n", "2", "not a [user@]host[:port]"),
+        ("localhost\n-n\n", "2", "not a [user@]host[:port]: -n"),  # not an option of echo
         ("node1:0\n", "2", "bad port"),
         ("node1:70000\n", "2", "bad port"),
         ("node1\nnode2\nnode1:22\n", "2", "duplicate host"),

@@ -104,6 +104,25 @@ def test_reports_hosts_where_login_fails(cluster, tmp_path):
     assert batch_login(cluster, cluster.hosts[0], key) != 0
 
 
+@pytest.mark.parametrize("pub_given", [False, True], ids=["no_pub", "pub_given"])
+def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given):
+    key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+    if not pub_given:
+        Path(f"{key}.pub").unlink()
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[0]}\n")
+    before = state(cluster, key)
+    result = setup_ssh(cluster, "--key", f"{key}.pub" if pub_given else key, hostfile,
+                       SSHPASS=PASSWORD)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"setup_ssh.sh: --key takes the private key, {key}, not {key}.pub\n" if pub_given else
+        f"setup_ssh.sh: no {key}.pub: --key takes a private key with its public key beside it "
+        f"('ssh-keygen -y -f {key} > {key}.pub' writes it)\n")
+    assert state(cluster, key) == before
+
+
 def test_never_disables_host_key_checking():
     for script in ("setup_ssh.sh", "launch.sh"):
         text = (REPO / script).read_text()
