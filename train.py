@@ -120,8 +120,6 @@ def parse_args(argv=None):
 
 def setup_distributed(args):
     """Return (rank, local_rank, world_size, device); init the process group under torchrun."""
-    # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
-    # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
     if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
         missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                    if v not in os.environ]
@@ -136,6 +134,8 @@ def setup_distributed(args):
             raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
                              "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
                              "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
+    # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
+    # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
