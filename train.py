@@ -120,20 +120,6 @@ def parse_args(argv=None):
 
 def setup_distributed(args):
     """Return (rank, local_rank, world_size, device); init the process group under torchrun."""
-    if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
-        missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if v not in os.environ]
-        if missing:
-            raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
-                             "torchrun, which sets them all, or unset RANK")
-        # By default torchrun's restarts reuse the rendezvous store of the first round, and
-        # restarted workers can read the addresses of dead ones: they fail to connect or hang
-        # (pytorch#135712, #167288).
-        if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
-                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-            raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
-                             "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
-                             "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
     # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
     # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
     rank = int(os.environ.get("RANK", 0))
@@ -157,7 +143,20 @@ def setup_distributed(args):
     else:
         # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
         device = torch.device("cpu")
-    if "RANK" in os.environ:
+    if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
+        missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if v not in os.environ]
+        if missing:
+            raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
+                             "torchrun, which sets them all, or unset RANK")
+        # By default torchrun's restarts reuse the rendezvous store of the first round, and
+        # restarted workers can read the addresses of dead ones: they fail to connect or hang
+        # (pytorch#135712, #167288).
+        if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
+                             "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
+                             "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
         # A bounded timeout: a dead peer ends the job instead of hanging it. device_id binds
         # NCCL to this process's GPU instead of letting it guess one from the global rank.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
@@ -289,9 +288,9 @@ def load_mnist(root, download, rank, local_rank):
                 if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
                     raise ValueError(f"images {tuple(images.shape)} and labels "
                                      f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
-                if labels.max() > 9:  # else a traceback in cross_entropy, maybe epochs later
-                    raise ValueError(f"{labels_path} has a label {int(labels.max())}; "
-                                     "MNIST's are 0 to 9")
+                top_label = int(labels.max())
+                if top_label > 9:  # else a traceback in cross_entropy, maybe epochs later
+                    raise ValueError(f"{labels_path} has a label {top_label}; MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({type(e).__name__}: {e})"
     if error is not None:  # the ranks of a node that fail alike send one message, printed once
@@ -429,7 +428,7 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def prepare_outputs(args, rank):
+def prepare_outputs(args, ckpt_path, rank):
     """Rank 0 creates the checkpoint directory and the metrics file now, so that a path it
     cannot write stops the run at start-up instead of after the first epoch."""
     error = None
@@ -438,7 +437,7 @@ def prepare_outputs(args, rank):
             if args.checkpoint_dir:
                 os.makedirs(args.checkpoint_dir, exist_ok=True)
                 # It may exist and still be read-only: write what save_checkpoint writes first.
-                probe = os.path.join(args.checkpoint_dir, "last.pt.tmp")
+                probe = f"{ckpt_path}.tmp"
                 open(probe, "ab").close()
                 os.remove(probe)
             if args.metrics:
@@ -586,7 +585,8 @@ def train(args, rank, local_rank, world_size, device):
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
     check_same_args_everywhere(args)
-    prepare_outputs(args, rank)
+    ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
+    prepare_outputs(args, ckpt_path, rank)
     train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
 
     model = build_model(args.arch).to(device)
@@ -604,7 +604,6 @@ def train(args, rank, local_rank, world_size, device):
         total_steps = min(total_steps, args.max_steps)
 
     step = 0
-    ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
     checkpoint = load_checkpoint(ckpt_path, args, rank, world_size) if ckpt_path else None
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
