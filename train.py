@@ -448,28 +448,56 @@ def prepare_outputs(args, ckpt_path, rank):
 
 
 def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
-    """Global rank 0 writes `path` atomically; every rank must call this (RNG states are gathered)."""
+    """Global rank 0 writes `path` atomically. Every rank must call this: RNG states are
+    gathered from all, and a save that fails stops them all."""
     # Fix: the pattern saved nothing, so a crash lost the whole run.
     rng_states = gather_to_rank0(rng_state(device))
-    if rank != 0:
-        return
-    state = {
-        "model": model.state_dict(),  # the unwrapped model: no "module." or "_orig_mod." prefixes
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "epoch": epoch,  # the epoch in progress (for people; resume goes by step)
-        "step": step,  # optimizer steps done in total
-        "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
-        "args": vars(args),
-        "world_size": len(rng_states),
-    }
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a crash mid-save leaves the previous last.pt intact
+    error = None
+    if rank == 0:
+        state = {
+            "model": model.state_dict(),  # the unwrapped model: no "module." or "_orig_mod." prefixes
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": epoch,  # the epoch in progress (for people; resume goes by step)
+            "step": step,  # optimizer steps done in total
+            "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
+            "args": vars(args),
+            "world_size": len(rng_states),
+        }
+        tmp = f"{path}.tmp"
+        try:
+            write_atomically(state, path, tmp)
+        except (OSError, RuntimeError) as e:
+            # A full disk, say. torch.save reports a failed write as a RuntimeError
+            # ("unexpected pos ...") whose context is the OSError.
+            cause = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(cause, OSError):
+                raise
+            # Stop now: training on without checkpoints would risk every step from here.
+            error = (f"cannot write {cause.filename or tmp}: {cause.strerror}; "
+                     f"{path} holds the last checkpoint saved, if any")
+    stop_together(error)
+
+
+def write_atomically(state, path, tmp):
+    """torch.save `state` to `tmp`, then rename it to `path`: a crash at any moment leaves
+    the previous `path` intact, and a failed write leaves no `tmp` taking the disk."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename too must reach the disk, or a power cut may undo it
+    finally:
+        os.close(directory)
 
 
 def load_checkpoint(path, args, rank, world_size):

@@ -1,5 +1,9 @@
 """train.py on CPU with gloo: one process, and two or three under torchrun."""
+import contextlib
+import os
+import resource
 import shutil
+import signal
 import sys
 
 import pytest
@@ -11,6 +15,15 @@ sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 
 TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
+
+
+def main_in_process(capsys, *argv):
+    """train.main(argv) here, for a run that stops before it trains: (exit code, stdout,
+    stderr). A traceback would be an exception other than SystemExit, failing the test."""
+    with pytest.raises(SystemExit) as stopped:
+        train.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return stopped.value.code, out, err
 
 
 def assert_same_tensors(a, b):
@@ -111,27 +124,67 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
-def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path):
+def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, capsys):
     ckpt_dir = tmp_path / "ck"
-    args = [sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir]
-    assert_ok(run([*args, "--max-steps", "2"]))
-    again = run([*args, "--max-steps", "2"])
+    args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir]
+    assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "2"]))
+    again = run([sys.executable, TRAIN, *args, "--max-steps", "2"])
     assert_ok(again)
     assert "nothing to train" in again.stdout and "train_loss" not in again.stdout
     good = (ckpt_dir / "last.pt").read_bytes()
     (ckpt_dir / "last.pt").write_bytes(good[: len(good) // 2])  # truncated mid-write
-    result = run([*args, "--max-steps", "4"])
-    assert result.returncode == 1
-    assert str(ckpt_dir / "last.pt") in result.stderr and "Traceback" not in result.stderr
+    code, _, err = main_in_process(capsys, *args, "--max-steps", "4")
+    assert code == 1 and f"checkpoint {ckpt_dir / 'last.pt'} is unreadable" in err
     assert (ckpt_dir / "last.pt").read_bytes() == good[: len(good) // 2]  # left for the user
     torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
-    result = run([*args, "--max-steps", "4"])
-    assert result.returncode == 1, result.stderr
-    assert "not a train.py checkpoint" in result.stderr and "Traceback" not in result.stderr
+    code, _, err = main_in_process(capsys, *args, "--max-steps", "4")
+    assert code == 1 and "not a train.py checkpoint" in err
     (ckpt_dir / "last.pt").write_bytes(good)
-    result = run([*args, "--max-steps", "4", "--seed", "7", "--compile"])
-    assert result.returncode == 1
-    assert "--seed 0 (now 7), --compile False (now True)" in result.stderr
+    code, _, err = main_in_process(capsys, *args, "--max-steps", "4", "--seed", "7", "--compile")
+    assert code == 1 and "--seed 0 (now 7), --compile False (now True)" in err
+
+
+@contextlib.contextmanager
+def fill_disk_at_once(tmp):
+    tmp.symlink_to("/dev/full")  # every write fails with ENOSPC
+    yield
+
+
+@contextlib.contextmanager
+def fill_disk_mid_file(tmp):
+    # Writes past 64 KiB fail with EFBIG (SIGXFSZ ignored), where torch.save raises a
+    # RuntimeError instead of the OSError.
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("fill_disk, message", [
+    (fill_disk_at_once, "No space left on device"), (fill_disk_mid_file, "File too large")],
+    ids=["at_once", "mid_file"])
+def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, fill_disk,
+                                                                  message):
+    model = train.build_model("cnn")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    path, tmp = tmp_path / "last.pt", tmp_path / "last.pt.tmp"
+
+    def save(step):
+        train.save_checkpoint(str(path), model, optimizer, scaler, 0, step, train.parse_args([]),
+                              torch.device("cpu"), rank=0)
+    save(1)
+    with fill_disk(tmp), pytest.raises(SystemExit) as stopped:
+        save(2)
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == (f"train.py: error: cannot write {tmp}: {message}; "
+                                       f"{path} holds the last checkpoint saved, if any\n")
+    assert load(path)["step"] == 1
+    assert not os.path.lexists(tmp)  # a partial file would take the space that is short
 
 
 def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
@@ -212,12 +265,13 @@ def test_torchrun_restarts_need_a_fresh_store_per_round(tmp_path, fresh_store):
         assert f'File "{TRAIN}"' not in result.stderr
 
 
-def test_rank_set_by_hand_without_torchrun_is_one_line():
-    result = run([sys.executable, TRAIN, "--dataset", "synthetic"], env={"RANK": "0"}, timeout=60)
-    assert result.returncode == 1 and "step" not in result.stdout
-    assert result.stderr == ("train.py: error: RANK is set but not LOCAL_RANK, WORLD_SIZE, "
-                             "MASTER_ADDR, MASTER_PORT: start train.py with torchrun, which sets "
-                             "them all, or unset RANK\n")
+def test_rank_set_by_hand_without_torchrun_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main_in_process(capsys, "--dataset", "synthetic") == (
+        1, "", "train.py: error: RANK is set but not LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT: start train.py with torchrun, which sets them all, or unset RANK\n")
 
 
 def test_nccl_without_a_gpu_is_one_message_per_node():
@@ -239,15 +293,13 @@ def test_read_idx_reads_what_write_idx_wrote(tmp_path):
     (lambda data: data[:4] + b"\0\0\0\0", "holds no samples"),  # an empty download
     (lambda data: data[:-1] + b"\xc8", "has a label 200; MNIST's are 0 to 9")],  # not MNIST's
     ids=["truncated", "not_idx", "no_samples", "label_200"])
-def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, damage, message):
+def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, capsys, damage, message):
     shutil.copytree(mnist_dir, tmp_path / "data")
     labels = tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
     labels.write_bytes(damage(labels.read_bytes()))
-    result = run([sys.executable, TRAIN, *TINY, "--data", tmp_path / "data", "--max-steps", "1"],
-                 timeout=60)
-    assert result.returncode == 1
-    assert f"cannot read them (ValueError: {labels} {message})" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, out, err = main_in_process(capsys, *TINY, "--data", tmp_path / "data", "--max-steps", "1")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert f"cannot read them (ValueError: {labels} {message})" in err
 
 
 def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_dir, tmp_path):
@@ -266,27 +318,28 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
     (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
-def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, setting, message):
+def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capsys,
+                                                        setting, message):
     (tmp_path / "a_file").touch()
-    result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, *setting], cwd=tmp_path,
-                 timeout=60)
-    assert result.returncode == 1 and "step" not in result.stdout
-    assert result.stderr.count("\n") == 1 and message in result.stderr
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main_in_process(capsys, *TINY, "--data", mnist_dir, *setting)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and message in err
 
 
 @pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"],
                                  ["--save-every", "5"]])
-def test_bad_arguments_give_one_line_and_exit_2(bad):
-    result = run([sys.executable, TRAIN, *bad], timeout=60)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1 and "error" in result.stderr
+def test_bad_arguments_give_one_line_and_exit_2(capsys, bad):
+    code, _, err = main_in_process(capsys, *bad)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "error" in err
 
 
-def test_help_explains_every_flag():
-    result = run([sys.executable, TRAIN, "--help"], timeout=60)
-    assert_ok(result)
+def test_help_explains_every_flag(capsys):
+    code, out, _ = main_in_process(capsys, "--help")
+    assert code == 0
     for flag in ("--dataset", "--arch", "--amp", "--checkpoint-dir", "--max-steps", "--accum-steps"):
-        assert flag in result.stdout
+        assert flag in out
 
 
 def test_runs_when_copied_alone_into_an_empty_directory(tmp_path, mnist_dir):
