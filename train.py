@@ -493,11 +493,14 @@ def write_atomically(state, path, tmp):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename too must reach the disk, or a power cut may undo it
-    finally:
-        os.close(directory)
+    # The rename too must reach the disk, or a power cut may undo it. Best effort: a directory
+    # may refuse to be opened (no read permission) or fsynced, and the file is saved anyway.
+    with contextlib.suppress(OSError):
+        directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 def load_checkpoint(path, args, rank, world_size):

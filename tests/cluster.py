@@ -33,6 +33,7 @@ case it fails.
 
 import contextlib
 import dataclasses
+import fcntl
 import ipaddress
 import os
 import re
@@ -109,6 +110,19 @@ def _free_subnet():
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             return net
     raise RuntimeError("no free 10.200.0.0/13 subnet")
+
+
+def _bridge_on_a_free_subnet(bridge):
+    """Create `bridge`, up, at the first address of a free /24, and return the /24. The
+    choice and the claim happen under a lock (on this file), so that two test processes,
+    such as pytest-xdist's workers, never choose the same /24."""
+    with open(__file__) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subnet = _free_subnet()
+        _sh("ip", "link", "add", bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{next(subnet.hosts())}/24", "dev", bridge)
+        _sh("ip", "link", "set", bridge, "up")
+    return subnet
 
 
 @dataclasses.dataclass
@@ -234,20 +248,17 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
     _instances += 1
     _remove_stale_clusters()
     tag = f"sc{os.getpid()}x{_instances}"
-    subnet = _free_subnet()
-    addresses = [str(a) for a in subnet.hosts()]
-    # A unique local (fd00::/8) /64 named after this cluster's IPv4 subnet.
-    ipv6_net = ipaddress.ip_network(f"fd00:{subnet.network_address.packed[1]:x}:"
-                                    f"{subnet.network_address.packed[2]:x}::/64")
     base = Path(tempfile.mkdtemp(prefix=f"simcluster-{tag}-"))
     bridge = f"{tag}br"
     hosts = {}
     try:
-        _sh("ip", "link", "add", bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{addresses[0]}/24", "dev", bridge)
+        subnet = _bridge_on_a_free_subnet(bridge)
+        addresses = [str(a) for a in subnet.hosts()]
+        # A unique local (fd00::/8) /64 named after this cluster's IPv4 subnet.
+        ipv6_net = ipaddress.ip_network(f"fd00:{subnet.network_address.packed[1]:x}:"
+                                        f"{subnet.network_address.packed[2]:x}::/64")
         if ipv6:  # nodad: usable at once, not after duplicate address detection
             _sh("ip", "addr", "add", f"{ipv6_net[1]}/64", "dev", bridge, "nodad")
-        _sh("ip", "link", "set", bridge, "up")
         names = [f"node{i}" for i in range(1, n_hosts + 1)]
         for i, name in enumerate(names, start=1):
             hosts[name] = Host(name, addresses[i], f"{tag}h{i}", base / name,

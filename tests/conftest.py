@@ -1,4 +1,5 @@
 """Shared helpers for the tests: run a command with a hard timeout, and tiny MNIST files."""
+import contextlib
 import json
 import os
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -20,7 +22,19 @@ HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 def pytest_configure(config):
     # A SIGTERM (timeout(1), a CI runner cancelling) unwinds like Ctrl-C, so that the
     # fixtures still stop what they started: launchers, sshds, network namespaces.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        signal.signal(signal.SIGTERM, stop_workers_then_self)
+    else:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def stop_workers_then_self(signum, frame):
+    """pytest-xdist's controller runs no test: the fixtures live in its workers, which a
+    SIGTERM to the controller alone would never reach (it kills them after 10 s)."""
+    for worker in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.send_signal(signal.SIGTERM)
+    signal.default_int_handler(signum, frame)
 
 
 def run(cmd, timeout=120, gpus=False, **kwargs):

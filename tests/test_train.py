@@ -5,6 +5,7 @@ import resource
 import shutil
 import signal
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,12 +18,19 @@ import train  # noqa: E402
 TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
 
 
-def main_in_process(capsys, *argv):
-    """train.main(argv) here, for a run that stops before it trains: (exit code, stdout,
-    stderr). A traceback would be an exception other than SystemExit, failing the test."""
-    with pytest.raises(SystemExit) as stopped:
-        train.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
+def main_in_process(capfd, *argv):
+    """train.main(argv) here, on the CPU, for a run that stops before it trains: (exit code,
+    stdout, stderr). A traceback would be an exception other than SystemExit, failing the
+    test, and so would a warning, which a run of its own would print. The torch settings
+    train() makes (the seed, flushing denormals) are undone."""
+    with pytest.raises(SystemExit) as stopped, torch.random.fork_rng(devices=[]), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            train.main([*map(str, argv), "--backend", "gloo"])
+        finally:
+            torch.set_flush_denormal(False)
+    out, err = capfd.readouterr()  # what reaches the file descriptors, C++ logging included
     return stopped.value.code, out, err
 
 
@@ -124,7 +132,7 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
-def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, capsys):
+def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, capfd):
     ckpt_dir = tmp_path / "ck"
     args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir]
     assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "2"]))
@@ -133,14 +141,14 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, cap
     assert "nothing to train" in again.stdout and "train_loss" not in again.stdout
     good = (ckpt_dir / "last.pt").read_bytes()
     (ckpt_dir / "last.pt").write_bytes(good[: len(good) // 2])  # truncated mid-write
-    code, _, err = main_in_process(capsys, *args, "--max-steps", "4")
+    code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
     assert code == 1 and f"checkpoint {ckpt_dir / 'last.pt'} is unreadable" in err
     assert (ckpt_dir / "last.pt").read_bytes() == good[: len(good) // 2]  # left for the user
     torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
-    code, _, err = main_in_process(capsys, *args, "--max-steps", "4")
+    code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
     assert code == 1 and "not a train.py checkpoint" in err
     (ckpt_dir / "last.pt").write_bytes(good)
-    code, _, err = main_in_process(capsys, *args, "--max-steps", "4", "--seed", "7", "--compile")
+    code, _, err = main_in_process(capfd, *args, "--max-steps", "4", "--seed", "7", "--compile")
     assert code == 1 and "--seed 0 (now 7), --compile False (now True)" in err
 
 
@@ -167,7 +175,7 @@ def fill_disk_mid_file(tmp):
 @pytest.mark.parametrize("fill_disk, message", [
     (fill_disk_at_once, "No space left on device"), (fill_disk_mid_file, "File too large")],
     ids=["at_once", "mid_file"])
-def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, fill_disk,
+def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd, fill_disk,
                                                                   message):
     model = train.build_model("cnn")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -181,7 +189,7 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsy
     with fill_disk(tmp), pytest.raises(SystemExit) as stopped:
         save(2)
     assert stopped.value.code == 1
-    assert capsys.readouterr().err == (f"train.py: error: cannot write {tmp}: {message}; "
+    assert capfd.readouterr().err == (f"train.py: error: cannot write {tmp}: {message}; "
                                        f"{path} holds the last checkpoint saved, if any\n")
     assert load(path)["step"] == 1
     assert not os.path.lexists(tmp)  # a partial file would take the space that is short
@@ -265,11 +273,11 @@ def test_torchrun_restarts_need_a_fresh_store_per_round(tmp_path, fresh_store):
         assert f'File "{TRAIN}"' not in result.stderr
 
 
-def test_rank_set_by_hand_without_torchrun_is_one_line(monkeypatch, capsys):
+def test_rank_set_by_hand_without_torchrun_is_one_line(monkeypatch, capfd):
     monkeypatch.setenv("RANK", "0")
     for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    assert main_in_process(capsys, "--dataset", "synthetic") == (
+    assert main_in_process(capfd, "--dataset", "synthetic") == (
         1, "", "train.py: error: RANK is set but not LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
         "MASTER_PORT: start train.py with torchrun, which sets them all, or unset RANK\n")
 
@@ -293,11 +301,11 @@ def test_read_idx_reads_what_write_idx_wrote(tmp_path):
     (lambda data: data[:4] + b"\0\0\0\0", "holds no samples"),  # an empty download
     (lambda data: data[:-1] + b"\xc8", "has a label 200; MNIST's are 0 to 9")],  # not MNIST's
     ids=["truncated", "not_idx", "no_samples", "label_200"])
-def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, capsys, damage, message):
+def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, capfd, damage, message):
     shutil.copytree(mnist_dir, tmp_path / "data")
     labels = tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
     labels.write_bytes(damage(labels.read_bytes()))
-    code, out, err = main_in_process(capsys, *TINY, "--data", tmp_path / "data", "--max-steps", "1")
+    code, out, err = main_in_process(capfd, *TINY, "--data", tmp_path / "data", "--max-steps", "1")
     assert code == 1 and out == "" and err.count("\n") == 1
     assert f"cannot read them (ValueError: {labels} {message})" in err
 
@@ -318,25 +326,25 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
     (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
-def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capsys,
+def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capfd,
                                                         setting, message):
     (tmp_path / "a_file").touch()
     monkeypatch.chdir(tmp_path)
-    code, out, err = main_in_process(capsys, *TINY, "--data", mnist_dir, *setting)
+    code, out, err = main_in_process(capfd, *TINY, "--data", mnist_dir, *setting)
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and message in err
 
 
 @pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"],
                                  ["--save-every", "5"]])
-def test_bad_arguments_give_one_line_and_exit_2(capsys, bad):
-    code, _, err = main_in_process(capsys, *bad)
+def test_bad_arguments_give_one_line_and_exit_2(capfd, bad):
+    code, _, err = main_in_process(capfd, *bad)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "error" in err
 
 
-def test_help_explains_every_flag(capsys):
-    code, out, _ = main_in_process(capsys, "--help")
+def test_help_explains_every_flag(capfd):
+    code, out, _ = main_in_process(capfd, "--help")
     assert code == 0
     for flag in ("--dataset", "--arch", "--amp", "--checkpoint-dir", "--max-steps", "--accum-steps"):
         assert flag in out
