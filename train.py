@@ -482,8 +482,9 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, r
 def write_atomically(state, path, tmp):
     """torch.save `state` to `tmp`, then rename it to `path`: a crash at any moment leaves
     the previous `path` intact, and a failed write leaves no `tmp` taking the disk."""
+    directory = os.path.dirname(path) or "."
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -496,11 +497,11 @@ def write_atomically(state, path, tmp):
     # The rename too must reach the disk, or a power cut may undo it. Best effort: a directory
     # may refuse to be opened (no read permission) or fsynced, and the file is saved anyway.
     with contextlib.suppress(OSError):
-        directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(directory)
+            os.fsync(fd)
         finally:
-            os.close(directory)
+            os.close(fd)
 
 
 def load_checkpoint(path, args, rank, world_size):
