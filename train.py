@@ -131,11 +131,14 @@ def setup_distributed(args):
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
+        gpus = torch.cuda.device_count()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if local_world_size > torch.cuda.device_count():
+        if local_world_size > gpus:
             raise UsageError(f"{local_world_size} processes on {socket.gethostname()}, which has "
-                             f"{torch.cuda.device_count()} GPU(s) visible: run at most that many "
-                             "processes per node")
+                             f"{gpus} GPU(s) visible: run at most that many processes per node")
+        if local_rank >= gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
+            raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
+                             f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
         # Fix: the pattern never called set_device, so NCCL put every process's
         # buffers on GPU 0. It must come before init_process_group.
         device = torch.device("cuda", local_rank)
@@ -720,9 +723,10 @@ def main(argv=None):
         rank, local_rank, world_size, device = setup_distributed(args)
         return train(args, rank, local_rank, world_size, device)
     except UsageError as e:
-        # Raised before the process group exists, and alike on every rank of a node: local
-        # rank 0 says it once, and the others wait for torchrun to stop them.
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        # Raised before the process group exists. Under torchrun (LOCAL_WORLD_SIZE set) it is
+        # alike on every rank of a node: local rank 0 says it once, and the others wait for
+        # torchrun to stop them. Without torchrun, each rank says its own.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or "LOCAL_WORLD_SIZE" not in os.environ:
             print_errors([e])
         else:
             time.sleep(10)

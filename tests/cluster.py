@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HIDDEN_GPUS
+from conftest import HIDDEN_GPUS, skip_or_fail
 
 SSHD = "/usr/sbin/sshd"
 _instances = 0  # clusters built by this process, for unique names
@@ -70,10 +70,7 @@ def require_prerequisites(login_shells=()):
     missing = missing_prerequisites(login_shells)
     if not missing:
         return
-    reason = "simulated cluster unavailable: " + "; ".join(missing)
-    if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
-        pytest.fail(reason + " (REQUIRE_CLUSTER_TESTS=1)")
-    pytest.skip(reason)
+    skip_or_fail("simulated cluster unavailable: " + "; ".join(missing))
 
 
 def cluster_fixture(n_hosts=3, scope="module", **options):

@@ -37,6 +37,15 @@ def stop_workers_then_self(signum, frame):
     signal.default_int_handler(signum, frame)
 
 
+def skip_or_fail(reason, required_by="REQUIRE_CLUSTER_TESTS"):
+    """Skip the calling test, or fail it where the variable required_by is 1: there a skip
+    would hide a broken set-up (.ci/run sets REQUIRE_CLUSTER_TESTS; GPU runs set
+    REQUIRE_GPU_TESTS)."""
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{reason} ({required_by}=1)")
+    pytest.skip(reason)
+
+
 def run(cmd, timeout=120, gpus=False, **kwargs):
     """Run cmd in its own process group; on timeout stop the whole group and fail the test,
     so a hang (torchrun and all of its workers) never outlives the test. The GPUs stay

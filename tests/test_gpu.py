@@ -1,5 +1,7 @@
 """train.py and check_env.py on CUDA with nccl, one rank per GPU. Skipped where torch sees
-no GPU, as in CI: the rest of the suite covers the same code on the CPU with gloo."""
+no GPU, as in CI: the rest of the suite covers the same code on the CPU with gloo. On a GPU
+machine, run them with REQUIRE_GPU_TESTS=1: a driver too old for this torch, or a wrong
+CUDA_VISIBLE_DEVICES, hides the GPUs from torch, and the skip then fails instead."""
 import json
 import math
 import sys
@@ -7,9 +9,13 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, assert_ok, load, metrics, run, torchrun
+from conftest import REPO, TRAIN, assert_ok, load, metrics, run, skip_or_fail, torchrun
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+@pytest.fixture(autouse=True)
+def cuda_gpu():
+    if not torch.cuda.is_available():
+        skip_or_fail("needs a CUDA GPU", required_by="REQUIRE_GPU_TESTS")
 
 SYNTHETIC_CNN = ["--dataset", "synthetic", "--arch", "cnn"]
 
@@ -52,7 +58,15 @@ def test_compiled_ddp_model_with_accumulation_learns(tmp_path):
     assert row["test_accuracy"] > 0.5  # chance is 0.1
 
 
-def test_more_ranks_than_gpus_is_a_one_line_error():
+def test_more_processes_than_gpus_is_one_message_per_node():
+    gpus = torch.cuda.device_count()
+    result = torchrun(gpus + 1, *SYNTHETIC_CNN, gpus=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count(f"{gpus + 1} processes on") == 1  # from local rank 0 alone
+    assert f'File "{TRAIN}"' not in result.stderr  # torchrun's own traceback is not train.py's
+
+
+def test_a_local_rank_without_its_gpu_is_a_one_line_error():
     gpus = torch.cuda.device_count()
     result = run([sys.executable, TRAIN, *SYNTHETIC_CNN], gpus=True, timeout=60,
                  env={"LOCAL_RANK": str(gpus)})

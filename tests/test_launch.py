@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import HIDDEN_GPUS, REPO, load
+from conftest import HIDDEN_GPUS, REPO, load, skip_or_fail
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
@@ -231,9 +231,7 @@ def programs_started(pids, trace):
     """Record in file trace every program started by the processes pids and their
     descendants while the with block runs: execve with its arguments (not its environment)."""
     if not shutil.which("strace"):
-        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
-            pytest.fail("strace not installed (REQUIRE_CLUSTER_TESTS=1)")
-        pytest.skip("strace not installed")
+        skip_or_fail("strace not installed")
     log = trace.with_suffix(".log")
     with open(log, "w") as err:
         tracer = subprocess.Popen(["strace", "-f", "-e", "trace=execve", "-s", "100000", "-o", trace,
@@ -611,9 +609,7 @@ def test_restart_resumes_exactly(cluster, tmp_path, start):
 
 def test_shellcheck():
     if not shutil.which("shellcheck"):
-        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
-            pytest.fail("shellcheck not installed (REQUIRE_CLUSTER_TESTS=1)")
-        pytest.skip("shellcheck not installed")
+        skip_or_fail("shellcheck not installed")
     result = subprocess.run(["shellcheck", "-x", *SHELL_SCRIPTS], capture_output=True, text=True,
                             timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stdout

@@ -1,6 +1,5 @@
 """setup_ssh.sh against simulated hosts that start with password login only."""
 
-import os
 import re
 import secrets
 import shutil
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
+from conftest import skip_or_fail
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "setup_ssh.sh"
@@ -42,9 +42,7 @@ def state(cluster, key):
 
 def require_sshpass():
     if not shutil.which("sshpass"):
-        if os.environ.get("REQUIRE_CLUSTER_TESTS") == "1":
-            pytest.fail("sshpass not installed (REQUIRE_CLUSTER_TESTS=1)")
-        pytest.skip("sshpass not installed")
+        skip_or_fail("sshpass not installed")
 
 
 def offering(cluster, key):

@@ -4,6 +4,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import warnings
 
@@ -18,16 +19,17 @@ import train  # noqa: E402
 TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
 
 
-def main_in_process(capfd, *argv):
-    """train.main(argv) here, on the CPU, for a run that stops before it trains: (exit code,
-    stdout, stderr). A traceback would be an exception other than SystemExit, failing the
-    test, and so would a warning, which a run of its own would print. The torch settings
-    train() makes (the seed, flushing denormals) are undone."""
+def main_in_process(capfd, *argv, backend="gloo"):
+    """train.main(argv) here, on the CPU (unless a test fakes a GPU and asks for nccl), for a
+    run that stops before it trains: (exit code, stdout, stderr). A traceback would be an
+    exception other than SystemExit, failing the test, and so would a warning, which a run
+    of its own would print. The torch settings train() makes (the seed, flushing
+    denormals) are undone."""
     with pytest.raises(SystemExit) as stopped, torch.random.fork_rng(devices=[]), \
             warnings.catch_warnings():
         warnings.simplefilter("error")
         try:
-            train.main([*map(str, argv), "--backend", "gloo"])
+            train.main([*map(str, argv), "--backend", backend])
         finally:
             torch.set_flush_denormal(False)
     out, err = capfd.readouterr()  # what reaches the file descriptors, C++ logging included
@@ -287,6 +289,26 @@ def test_nccl_without_a_gpu_is_one_message_per_node():
     assert result.returncode != 0 and "step" not in result.stdout
     assert result.stderr.count("--backend nccl needs CUDA") == 1  # from local rank 0 alone
     assert f'File "{TRAIN}"' not in result.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+     "2 processes on {host}, which has 1 GPU(s) visible: run at most that many processes per node"),
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),  # local rank 0 says it for the node
+    ({"LOCAL_RANK": "1"},  # set by hand, without torchrun: no other rank speaks for this one
+     "LOCAL_RANK 1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0"),
+], ids=["torchrun_local_rank_0", "torchrun_local_rank_1", "by_hand"])
+def test_more_processes_than_gpus_stop_before_cuda(monkeypatch, capfd, env, message):
+    """On a machine faked to have one GPU; torch's own error would be a traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("reached set_device"))
+    monkeypatch.setattr(train.time, "sleep", lambda seconds: None)  # as they wait for torchrun
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = f"train.py: error: {message.format(host=socket.gethostname())}\n" if message else ""
+    assert main_in_process(capfd, "--dataset", "synthetic", backend="nccl") == (1, "", err)
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
