@@ -66,6 +66,9 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
 readonly MAX_ENV_BYTES=4096 # what any pipe holds: at least a page on Linux, 8 KiB on macOS
+# SCRIPT's arguments reach each host quoted and base64-encoded, in the one
+# argument of its login shell's -c, which Linux caps at 128 KiB.
+readonly MAX_ARGS_BYTES=65536
 
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
@@ -494,7 +497,7 @@ print_summary() {
 main() {
   require_bash 4 4 # empty arrays under set -u
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
-  local dry_run='' hostfile nproc script script_args=() job_id cmd=() node_args=() i
+  local dry_run='' hostfile nproc script script_args=() size job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
   local ssh_command=() write_fds=() read_fds=() started=() statuses=() durations=() stopped=()
   local stopping='' first_failure='' signal_status='' label_width
@@ -524,6 +527,9 @@ main() {
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
   [[ -n $workdir ]] || die "--workdir must not be empty"
+  size=$(($(quote_words "${script_args[@]}" | wc -c)))
+  ((size <= MAX_ARGS_BYTES)) \
+    || die "the arguments for $script take $size bytes quoted; at most $MAX_ARGS_BYTES fit: put them in a file"
   read_hostfile "$hostfile"
   collect_env
   if [[ -z $torchrun ]]; then

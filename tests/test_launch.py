@@ -437,6 +437,18 @@ def test_rejects_bad_env_file(tmp_path, start, lines, message):
     assert not ssh_called.exists()
 
 
+def test_rejects_arguments_that_do_not_fit_in_one_ssh_command(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node1\n")
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    launch = run_launch(start, [hostfile, "1", "train.py", "--note", "x" * 70000],
+                        launch_env(SSH_COMMAND=ssh_command), timeout=30, cwd=tmp_path)
+    assert launch.proc.returncode == 2, launch.err
+    assert launch.err == ("launch.sh: the arguments for train.py take 70012 bytes quoted; at most "
+                          "65536 fit: put them in a file\n")
+    assert not ssh_called.exists()
+
+
 def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(
         tmp_path / "hosts.txt", [*cluster.hosts[:2], cluster.unreachable_address]
