@@ -181,7 +181,11 @@ build_command() {
   shift 2
   source="$(declare -f "$function"); $function \"\$@\""
   if [[ -n ${local_node[i]} ]]; then
-    cmd=(bash -c "$source" launch.sh "$@")
+    # A session of its own, as a remote host's: a terminal's Ctrl-C reaches
+    # this script alone, which stops the host. torchrun catches SIGINT even
+    # where it is ignored, and passes it to its workers, each of which would
+    # print a KeyboardInterrupt traceback.
+    cmd=(setsid -w bash -c "$source" launch.sh "$@")
   else
     cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
@@ -380,10 +384,9 @@ take_stdin() {
 run_host() {
   local i=$1
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
-  # whole group: this script stops them, by closing their stdin. Killed by
-  # it, a local node would leave its torchrun behind, and the pipe would lose
-  # the output. (Bash ignores them in a background subshell, but not in the
-  # programs that subshell runs.)
+  # whole group: this script stops the host, by closing its stdin. Killed by
+  # them, the pipe would lose the host's last output. (Bash ignores them in
+  # a background subshell, but not in the programs that subshell runs.)
   trap '' INT QUIT
   take_stdin "$i"
   set_node_args "$i"
@@ -472,6 +475,16 @@ wait_for_hosts() {
   done
 }
 
+# Prints the last 20 lines of log $1 before torchrun's closing report: a
+# traceback of its own that ends in ChildFailedError, and a table, 40 lines
+# or more that would push out the workers' error above them.
+print_log_end() {
+  local end
+  end=$(awk '/^Traceback \(most recent call last\):$/ { start = NR }
+    /ChildFailedError/ && start { end = start - 1 } END { print (end == "" ? NR : end) }' "$1")
+  head -n "$end" "$1" | tail -n 20
+}
+
 print_summary() {
   local i why
   {
@@ -489,7 +502,7 @@ print_summary() {
         143) why+=": a SIGTERM there, or $SILENCE_SECONDS s without a word from launch.sh (was it stopped?)" ;;
       esac
       echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
-      tail -n 20 "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
+      print_log_end "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
     fi
   } >&2
 }

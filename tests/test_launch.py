@@ -122,15 +122,6 @@ def session_processes(sid):
     return pids
 
 
-def session_commands(sid):
-    """The command names (comm) of the processes in session sid."""
-    names = []
-    for pid in session_processes(sid):
-        with contextlib.suppress(OSError):  # gone meanwhile
-            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
-    return names
-
-
 def assert_nothing_left(cluster, launch, timeout=10):
     """No process of the job on any host, nor any ssh client here."""
     left = cluster.wait_until_idle(timeout)
@@ -142,11 +133,13 @@ def assert_nothing_left(cluster, launch, timeout=10):
 
 
 def assert_no_local_job_process(launch):
-    """No process here carries the job's LAUNCH_JOB mark."""
-    marker = f"LAUNCH_JOB={launch.job_id()}/".encode()
+    """No process here carries the job's LAUNCH_JOB mark, nor runs a local node's part
+    (run_node, whose first argument is JOB/HOST_NUMBER)."""
+    job = launch.job_id().encode()
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
-            assert marker not in Path(f"/proc/{entry.name}/environ").read_bytes()
+            assert b"LAUNCH_JOB=" + job + b"/" not in Path(f"/proc/{entry.name}/environ").read_bytes()
+            assert b"\0" + job + b"/" not in Path(f"/proc/{entry.name}/cmdline").read_bytes()
 
 
 def workers(cluster, host):
@@ -521,6 +514,23 @@ def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
     assert_nothing_left(cluster, launch)
 
 
+def test_a_failed_host_shows_the_workers_error_not_torchruns_report(tmp_path, start):
+    """torchrun ends a failed job with a traceback and a report of its own, 40 lines or
+    more; the summary shows what came before them, where the workers' error is."""
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text("#!/bin/sh\necho 'train.py: error: the cause'\n"
+                        "echo 'Traceback (most recent call last):'\nseq 30\n"
+                        "echo 'torch.distributed.elastic.multiprocessing.errors.ChildFailedError:'\n"
+                        "seq 25\nexit 1\n")
+    torchrun.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile,
+                                "1", *TRAIN], launch_env(), timeout=30)
+    assert launch.proc.returncode == 1
+    assert launch.err.endswith("the end of its log:\n  localhost: train.py: error: the cause\n"), launch.err
+
+
 @pytest.mark.parametrize("cut", ["reset", "silent"])
 def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
     """node2's SSH connection dies, with a reset (its sshd killed) or silently (its link
@@ -564,18 +574,15 @@ def test_signal_stops_every_host(cluster, tmp_path, start, signum, status):
 
 
 def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
-    """A terminal's Ctrl-C reaches every process of the group, the local node's included."""
+    """A terminal's Ctrl-C reaches every process of launch.sh's group. The local node runs
+    in a session of its own, as a remote one does, and launch.sh stops it."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
     launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
-    deadline = time.monotonic() + 60
-    while "torchrun" not in session_commands(launch.pid):  # the local one, starting
-        if launch.proc.poll() is not None or time.monotonic() > deadline:
-            launch.kill()
-            pytest.fail(f"no local torchrun\n{launch.out}\n{launch.err}")
-        time.sleep(0.1)
+    launch.wait_for_output(r"^(localhost|node1): epoch 1/1000 step 5/")  # rank 0 on either
     os.killpg(launch.pid, signal.SIGINT)
     assert launch.wait(15) == 130, launch.err
     assert re.search(r"^  localhost +143 .*stopped by launch.sh", launch.err, re.M), launch.err
+    assert "KeyboardInterrupt" not in launch.out  # torchrun passes a SIGINT on to its workers
     assert_nothing_left(cluster, launch)
     assert_no_local_job_process(launch)
 
