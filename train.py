@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import pickle
 import socket
 import struct
 import sys
@@ -209,6 +210,15 @@ def all_gather(obj):
     return out
 
 
+def describe(e):
+    """An exception as one line. torch.load wraps what it found wrong in a file in
+    paragraphs that suggest weights_only=False, which would run code from the file."""
+    if isinstance(e, pickle.UnpicklingError) and e.__context__ is not None:
+        e = e.__context__
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def print_errors(errors):
     sys.stderr.write("".join(f"train.py: error: {e}\n" for e in errors))
     sys.stderr.flush()
@@ -277,7 +287,7 @@ def load_mnist(root, download, rank, local_rank):
                 for split_is_train in (True, False):
                     torchvision.datasets.MNIST(root, train=split_is_train, download=True)
             except Exception as e:  # offline, a mirror down, a full disk ...
-                error = f"download failed ({type(e).__name__}: {' '.join(str(e).split())})"
+                error = f"download failed ({describe(e)})"
         if distributed():
             dist.barrier()
     if not present() and error is None:
@@ -295,7 +305,7 @@ def load_mnist(root, download, rank, local_rank):
                 if top_label > 9:  # else a traceback in cross_entropy, maybe epochs later
                     raise ValueError(f"{labels_path} has a label {top_label}; MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
-            error = f"cannot read them ({type(e).__name__}: {e})"
+            error = f"cannot read them ({describe(e)})"
     if error is not None:  # the ranks of a node that fail alike send one message, printed once
         error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
                  f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
@@ -445,6 +455,8 @@ def prepare_outputs(args, ckpt_path, rank):
                 os.remove(probe)
             if args.metrics:
                 open(args.metrics, "a").close()
+        except FileExistsError:  # from makedirs
+            error = f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
         except OSError as e:
             error = f"cannot write {e.filename}: {e.strerror}"
     stop_together(error)
@@ -519,7 +531,7 @@ def load_checkpoint(path, args, rank, world_size):
             mismatched = [f"--{k.replace('_', '-')} {checkpoint['args'][k]} (now {getattr(args, k)})"
                           for k in TRAJECTORY_ARGS if checkpoint["args"][k] != getattr(args, k)]
         except Exception as e:  # truncated, corrupt, or not ours: never start over silently
-            error = (f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+            error = (f"checkpoint {path} is unreadable ({describe(e)}); "
                      "move it away to start over, or restore a good copy")
         else:
             if checkpoint["world_size"] != world_size:

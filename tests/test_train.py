@@ -146,6 +146,10 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, cap
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
     assert code == 1 and f"checkpoint {ckpt_dir / 'last.pt'} is unreadable" in err
     assert (ckpt_dir / "last.pt").read_bytes() == good[: len(good) // 2]  # left for the user
+    (ckpt_dir / "last.pt").write_text("garbage\n")  # torch.load's refusal is paragraphs long
+    code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
+    assert code == 1 and err.count("\n") == 1 and "is unreadable (UnpicklingError: " in err
+    assert "weights_only" not in err  # torch's advice to load it anyway, running its code
     torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
     assert code == 1 and "not a train.py checkpoint" in err
@@ -346,6 +350,7 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
 @pytest.mark.parametrize("setting, message", [
     (["--metrics", "missing/m.jsonl"], "cannot write missing/m.jsonl"),
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
+    (["--checkpoint-dir", "a_file"], "--checkpoint-dir a_file is a file, not a directory"),
     (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
 def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capfd,
