@@ -46,6 +46,7 @@
 # from launch.sh by the network, or with launch.sh stopped (Ctrl-Z), after
 # 30 s without a word from it.
 
+if [ -z "${BASH_VERSION:-}" ]; then echo "launch.sh: run it with bash, not sh" >&2; exit 2; fi
 set -euo pipefail
 
 # Through a symlink (~/bin/launch.sh, say), lib/ is beside the real file. BSD
@@ -526,6 +527,7 @@ main() {
       --port) port=${2-} ;;
       --log-dir) log_dir=${2-} ;;
       --dry-run) dry_run=yes; shift; continue ;;
+      --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
       -*) die "unknown option: $1 (see --help)" ;;
       *) break ;;
     esac
@@ -537,6 +539,7 @@ main() {
   script_args=("${@:4}")
 
   [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
+  [[ $script != -* ]] || die "SCRIPT comes before its arguments: launch.sh $hostfile $nproc train.py $script ..."
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
   [[ -n $workdir ]] || die "--workdir must not be empty"

@@ -24,6 +24,7 @@
 #   --key PATH  private key to use (default: ~/.ssh/id_ed25519)
 #   -h, --help  show this help
 
+if [ -z "${BASH_VERSION:-}" ]; then echo "setup_ssh.sh: run it with bash, not sh" >&2; exit 2; fi
 set -euo pipefail
 
 # Through a symlink (~/bin/setup_ssh.sh, say), lib/ is beside the real file. BSD
@@ -124,6 +125,10 @@ main() {
   (($# == 1)) || die "usage: setup_ssh.sh [--key PATH] HOSTFILE (see --help)"
   read_hostfile "$1"
   drop_local_hosts
+  if ((${#labels[@]} == 0)); then
+    echo "setup_ssh.sh: every host in $1 is this machine, which needs no SSH: nothing to do"
+    return 0
+  fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
   create_key
 

@@ -323,8 +323,8 @@ def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
     """A local first host serves the rendezvous on the address the others see."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
     launch = run_launch(
-        start, ["--dry-run", "--port", "29999", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
-    )
+        start, ["--dry-run", "--port=29999", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
+    )  # --port=N, as torchrun's options are often written, and --port N
     assert launch.proc.returncode == 0, launch.err
     lines = launch.out.splitlines()
     assert lines[1].startswith("localhost (local): ") and lines[2].startswith("node1 (ssh node1): ")
@@ -666,6 +666,26 @@ def test_help_through_a_symlink(tmp_path, script):
                             timeout=30, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"Usage: {script} ")
+
+
+@pytest.mark.parametrize("script", ["launch.sh", "setup_ssh.sh"])
+def test_run_with_sh_says_to_use_bash(script):
+    sh_is_bash = subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True,
+                                text=True, timeout=30).stdout.strip()
+    if sh_is_bash:
+        pytest.skip("sh is bash here")
+    result = subprocess.run(["sh", REPO / script, "--help"], capture_output=True, text=True,
+                            timeout=30)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"{script}: run it with bash, not sh\n"
+
+
+def test_script_arguments_before_the_script_are_refused(tmp_path, start):
+    launch = run_launch(start, [REPO / "hosts.txt", "2", "--arch", "cnn"], launch_env(), timeout=30,
+                        cwd=tmp_path)
+    assert launch.proc.returncode == 2 and launch.out == ""
+    assert launch.err == ("launch.sh: SCRIPT comes before its arguments: "
+                          f"launch.sh {REPO / 'hosts.txt'} 2 train.py --arch ...\n")
 
 
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):

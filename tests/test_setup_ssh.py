@@ -121,6 +121,18 @@ def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given
     assert state(cluster, key) == before
 
 
+def test_only_this_machine_is_nothing_to_do(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n127.0.0.1\n")
+    key = tmp_path / "id_ed25519"
+    result = subprocess.run([SETUP, "--key", key, hostfile], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (f"setup_ssh.sh: every host in {hostfile} is this machine, which needs "
+                             "no SSH: nothing to do\n")
+    assert not key.exists()
+
+
 def test_never_disables_host_key_checking():
     for script in ("setup_ssh.sh", "launch.sh"):
         text = (REPO / script).read_text()
