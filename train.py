@@ -226,10 +226,12 @@ def print_errors(errors):
 
 def stop_together(error):
     """Stop every rank if any rank has an error message, so that no rank is left waiting
-    for the others at the next collective. Rank 0 prints each distinct message once."""
-    errors = [e for e in dict.fromkeys(all_gather(error)) if e]
-    if not errors:
+    for the others at the next collective. Rank 0 prints each distinct message once. An
+    error of "" stops without a message, where another rank gives the reason."""
+    gathered = all_gather(error)
+    if all(e is None for e in gathered):
         return
+    errors = [e for e in dict.fromkeys(gathered) if e]
     if not distributed() or dist.get_rank() == 0:
         print_errors(errors)
     if distributed():
@@ -291,7 +293,12 @@ def load_mnist(root, download, rank, local_rank):
         if distributed():
             dist.barrier()
     if not present() and error is None:
-        error = "the files are missing and --no-download is set" if not download else "not found"
+        if not download:
+            error = "the files are missing and --no-download is set"
+        elif local_rank != 0:
+            error = ""  # this node's local rank 0 tried to download them, and says why it failed
+        else:
+            error = "not found"
     if error is None:
         try:
             paths = [os.path.join(raw, f) for f in MNIST_FILES]
@@ -306,7 +313,7 @@ def load_mnist(root, download, rank, local_rank):
                     raise ValueError(f"{labels_path} has a label {top_label}; MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({describe(e)})"
-    if error is not None:  # the ranks of a node that fail alike send one message, printed once
+    if error:  # the ranks of a node that fail alike send one message, printed once
         error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
                  f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
     stop_together(error)

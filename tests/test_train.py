@@ -209,6 +209,20 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
 
 
+def test_a_failed_download_is_one_message_per_node(tmp_path):
+    script = tmp_path / "offline.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(REPO)!r})
+import torchvision, train
+torchvision.datasets.MNIST.mirrors = ["http://127.0.0.1:9/"]  # refused, as offline (on loopback)
+train.main(sys.argv[1:])
+""")
+    result = torchrun(2, "--arch", "cnn", "--data", tmp_path / "none", script=script, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("MNIST unavailable on") == 1, result.stderr  # not "not found" too
+    assert "download failed (RuntimeError: Error downloading train-images-idx3-ubyte" in result.stderr
+
+
 def torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir, change):
     """train.py on two ranks, where local rank 1 passes each idx file it reads, `data` at
     `path`, through `change`: lines of Python, as if on another node."""
