@@ -137,7 +137,7 @@ def setup_distributed(args):
         if local_world_size > gpus:
             raise UsageError(f"{local_world_size} processes on {socket.gethostname()}, which has "
                              f"{gpus} GPU(s) visible: run at most that many processes per node")
-        if local_rank >= gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
+        if not 0 <= local_rank < gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
             raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
                              f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
         # Fix: the pattern never called set_device, so NCCL put every process's
@@ -224,16 +224,16 @@ def print_errors(errors):
     sys.stderr.flush()
 
 
-def stop_together(error):
+def stop_together(error, secondary=False):
     """Stop every rank if any rank has an error message, so that no rank is left waiting
-    for the others at the next collective. Rank 0 prints each distinct message once. An
-    error of "" stops without a message, where another rank gives the reason."""
-    gathered = all_gather(error)
-    if all(e is None for e in gathered):
+    for the others at the next collective. Rank 0 prints each distinct message once; a
+    secondary one (likely a consequence of another rank's) only if no rank has another."""
+    gathered = [(e, s) for e, s in all_gather((error, secondary)) if e is not None]
+    if not gathered:
         return
-    errors = [e for e in dict.fromkeys(gathered) if e]
+    errors = [e for e, s in gathered if not s] or [e for e, _ in gathered]
     if not distributed() or dist.get_rank() == 0:
-        print_errors(errors)
+        print_errors(list(dict.fromkeys(errors)))
     if distributed():
         dist.barrier()  # torchrun stops every rank when one exits: not before rank 0 has said why
     raise SystemExit(1)
@@ -293,12 +293,7 @@ def load_mnist(root, download, rank, local_rank):
         if distributed():
             dist.barrier()
     if not present() and error is None:
-        if not download:
-            error = "the files are missing and --no-download is set"
-        elif local_rank != 0:
-            error = ""  # this node's local rank 0 tried to download them, and says why it failed
-        else:
-            error = "not found"
+        error = "the files are missing and --no-download is set" if not download else "not found"
     if error is None:
         try:
             paths = [os.path.join(raw, f) for f in MNIST_FILES]
@@ -313,10 +308,13 @@ def load_mnist(root, download, rank, local_rank):
                     raise ValueError(f"{labels_path} has a label {top_label}; MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({describe(e)})"
-    if error:  # the ranks of a node that fail alike send one message, printed once
+    # "not found" on a rank that did not download follows from its node's failed download,
+    # which that node's local rank 0 explains.
+    secondary = error == "not found" and local_rank != 0
+    if error is not None:  # the ranks of a node that fail alike send one message, printed once
         error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
                  f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
-    stop_together(error)
+    stop_together(error, secondary)
     return train_x, train_y.long(), test_x, test_y.long()
 
 
@@ -463,7 +461,7 @@ def prepare_outputs(args, ckpt_path, rank):
             if args.metrics:
                 open(args.metrics, "a").close()
         except FileExistsError:  # from makedirs
-            error = f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
+            error = f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory"
         except OSError as e:
             error = f"cannot write {e.filename}: {e.strerror}"
     stop_together(error)

@@ -209,40 +209,46 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
 
 
+def torchrun_patched(tmp_path, patch, *args):
+    """train.py under torchrun on two ranks, each of which first runs `patch`: lines of Python
+    with os and train imported, and argv the arguments for train.main."""
+    script = tmp_path / "patched_train.py"
+    script.write_text(f"import os, sys\nsys.path.insert(0, {str(REPO)!r})\nimport train\n"
+                      f"argv = sys.argv[1:]\n{patch}\ntrain.main(argv)\n")
+    result = torchrun(2, *args, script=script, timeout=60)
+    assert result.returncode != 0 and "step" not in result.stdout
+    assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
+    return result
+
+
 def test_a_failed_download_is_one_message_per_node(tmp_path):
-    script = tmp_path / "offline.py"
-    script.write_text(f"""import sys
-sys.path.insert(0, {str(REPO)!r})
-import torchvision, train
-torchvision.datasets.MNIST.mirrors = ["http://127.0.0.1:9/"]  # refused, as offline (on loopback)
-train.main(sys.argv[1:])
-""")
-    result = torchrun(2, "--arch", "cnn", "--data", tmp_path / "none", script=script, timeout=60)
-    assert result.returncode != 0
+    result = torchrun_patched(tmp_path, "import torchvision\n"  # refused, as offline (on loopback)
+                              "torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:9/']",
+                              "--arch", "cnn", "--data", tmp_path / "none")
     assert result.stderr.count("MNIST unavailable on") == 1, result.stderr  # not "not found" too
     assert "download failed (RuntimeError: Error downloading train-images-idx3-ubyte" in result.stderr
+
+
+def test_mnist_missing_on_one_rank_only_is_said(mnist_dir, tmp_path):
+    # As on a node of its own, where the files are elsewhere: local rank 0 has them.
+    result = torchrun_patched(tmp_path, 'if os.environ["LOCAL_RANK"] == "1":\n'
+                              '    exists = os.path.exists\n'
+                              '    os.path.exists = lambda path: "MNIST" not in path and exists(path)',
+                              "--arch", "cnn", "--data", mnist_dir)  # download: on, unused
+    assert result.stderr.count("MNIST unavailable on") == 1, result.stderr  # rank 1's, from rank 0
+    assert ": not found. Put" in result.stderr
 
 
 def torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir, change):
     """train.py on two ranks, where local rank 1 passes each idx file it reads, `data` at
     `path`, through `change`: lines of Python, as if on another node."""
-    script = tmp_path / "rank1_reads_otherwise.py"
-    script.write_text(f"""import os, sys
-sys.path.insert(0, {str(REPO)!r})
-import train
-read_idx = train.read_idx
+    return torchrun_patched(tmp_path, f"""read_idx = train.read_idx
 def read_idx_on_rank1(path):
     data = read_idx(path)
     if os.environ["LOCAL_RANK"] == "1":
         {change}
     return data
-train.read_idx = read_idx_on_rank1
-train.main(sys.argv[1:])
-""")
-    result = torchrun(2, *TINY, "--data", mnist_dir, script=script, timeout=60)
-    assert result.returncode != 0 and "step" not in result.stdout
-    assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
-    return result
+train.read_idx = read_idx_on_rank1""", *TINY, "--data", mnist_dir)
 
 
 def test_mnist_unreadable_on_one_rank_only_stops_every_rank(mnist_dir, tmp_path):
@@ -266,15 +272,9 @@ def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change
 
 def test_other_arguments_on_one_rank_stop_every_rank(tmp_path):
     # As if torchrun had been started by hand on another node with another command line.
-    script = tmp_path / "rank1_has_other_arguments.py"
-    script.write_text(f"""import os, sys
-sys.path.insert(0, {str(REPO)!r})
-import train
-rank1 = ["--seed", "1", "--lr", "0.5"] if os.environ["LOCAL_RANK"] == "1" else []
-train.main(sys.argv[1:] + rank1)
-""")
-    result = torchrun(2, "--arch", "cnn", "--dataset", "synthetic", script=script, timeout=60)
-    assert result.returncode != 0 and "step" not in result.stdout
+    result = torchrun_patched(tmp_path, 'if os.environ["LOCAL_RANK"] == "1":\n'
+                              '    argv += ["--seed", "1", "--lr", "0.5"]',
+                              "--arch", "cnn", "--dataset", "synthetic")
     assert result.stderr.count("other arguments than rank 0") == 1
     assert "--lr 0.5 (rank 0: 0.01), --seed 1 (rank 0: 0)" in result.stderr
 
@@ -315,7 +315,9 @@ def test_nccl_without_a_gpu_is_one_message_per_node():
     ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),  # local rank 0 says it for the node
     ({"LOCAL_RANK": "1"},  # set by hand, without torchrun: no other rank speaks for this one
      "LOCAL_RANK 1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0"),
-], ids=["torchrun_local_rank_0", "torchrun_local_rank_1", "by_hand"])
+    ({"LOCAL_RANK": "-1"},
+     "LOCAL_RANK -1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0"),
+], ids=["torchrun_local_rank_0", "torchrun_local_rank_1", "by_hand", "negative"])
 def test_more_processes_than_gpus_stop_before_cuda(monkeypatch, capfd, env, message):
     """On a machine faked to have one GPU; torch's own error would be a traceback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -364,7 +366,7 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
 @pytest.mark.parametrize("setting, message", [
     (["--metrics", "missing/m.jsonl"], "cannot write missing/m.jsonl"),
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
-    (["--checkpoint-dir", "a_file"], "--checkpoint-dir a_file is a file, not a directory"),
+    (["--checkpoint-dir", "a_file"], "--checkpoint-dir a_file exists and is not a directory"),
     (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
 def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capfd,
