@@ -46,7 +46,10 @@
 # from launch.sh by the network, or with launch.sh stopped (Ctrl-Z), after
 # 30 s without a word from it.
 
-if [ -z "${BASH_VERSION:-}" ]; then echo "launch.sh: run it with bash, not sh" >&2; exit 2; fi
+if [ -z "${BASH_VERSION:-}" ] || shopt -oq posix; then # sh launch.sh: not bash, or bash as sh
+  echo "launch.sh: run it with bash, not sh" >&2
+  exit 2
+fi
 set -euo pipefail
 
 # Through a symlink (~/bin/launch.sh, say), lib/ is beside the real file. BSD
@@ -182,11 +185,7 @@ build_command() {
   shift 2
   source="$(declare -f "$function"); $function \"\$@\""
   if [[ -n ${local_node[i]} ]]; then
-    # A session of its own, as a remote host's: a terminal's Ctrl-C reaches
-    # this script alone, which stops the host. torchrun catches SIGINT even
-    # where it is ignored, and passes it to its workers, each of which would
-    # print a KeyboardInterrupt traceback.
-    cmd=(setsid -w bash -c "$source" launch.sh "$@")
+    cmd=(bash -c "$source" launch.sh "$@")
   else
     cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
@@ -393,6 +392,10 @@ run_host() {
   set_node_args "$i"
   build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
     "${node_args[@]}"
+  # A local node runs in a session of its own, as a remote one does: torchrun
+  # catches a terminal's Ctrl-C even where it is ignored, and passes it to its
+  # workers, each of which would print a KeyboardInterrupt traceback.
+  if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
   "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
 }
 
@@ -527,11 +530,12 @@ main() {
       --port) port=${2-} ;;
       --log-dir) log_dir=${2-} ;;
       --dry-run) dry_run=yes; shift; continue ;;
+      -h=* | --help=* | --dry-run=*) die "${1%%=*} takes no value" ;;
       --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
       -*) die "unknown option: $1 (see --help)" ;;
       *) break ;;
     esac
-    (($# >= 2)) || die "$1 needs a value"
+    [[ -n ${2-} ]] || die "$1 needs a value"
     shift 2
   done
   (($# >= 2)) || die "usage: launch.sh [options] HOSTFILE NPROC_PER_NODE [SCRIPT [ARGS...]] (see --help)"
@@ -539,10 +543,10 @@ main() {
   script_args=("${@:4}")
 
   [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
-  [[ $script != -* ]] || die "SCRIPT comes before its arguments: launch.sh $hostfile $nproc train.py $script ..."
+  [[ $script != -* ]] || die "SCRIPT comes before its arguments, and launch.sh's options" \
+    "before HOSTFILE: launch.sh [options] $hostfile $nproc train.py $script ..."
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
-  [[ -n $workdir ]] || die "--workdir must not be empty"
   size=$(($(quote_words "${script_args[@]}" | wc -c)))
   ((size <= MAX_ARGS_BYTES)) \
     || die "the arguments for $script take $size bytes quoted; at most $MAX_ARGS_BYTES fit: put them in a file"

@@ -24,7 +24,10 @@
 #   --key PATH  private key to use (default: ~/.ssh/id_ed25519)
 #   -h, --help  show this help
 
-if [ -z "${BASH_VERSION:-}" ]; then echo "setup_ssh.sh: run it with bash, not sh" >&2; exit 2; fi
+if [ -z "${BASH_VERSION:-}" ] || shopt -oq posix; then # sh setup_ssh.sh: not bash, or bash as sh
+  echo "setup_ssh.sh: run it with bash, not sh" >&2
+  exit 2
+fi
 set -euo pipefail
 
 # Through a symlink (~/bin/setup_ssh.sh, say), lib/ is beside the real file. BSD

@@ -96,6 +96,9 @@ def start(tmp_path, request):
     yield _start
     for launch in launches:
         launch.kill()
+        for pid in job_processes(launch):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     if "cluster" in request.fixturenames:
         the_cluster = request.getfixturevalue("cluster")
         for host in the_cluster.hosts:
@@ -132,14 +135,18 @@ def assert_nothing_left(cluster, launch, timeout=10):
     assert not session_processes(launch.pid)
 
 
-def assert_no_local_job_process(launch):
-    """No process here carries the job's LAUNCH_JOB mark, nor runs a local node's part
-    (run_node, whose first argument is JOB/HOST_NUMBER)."""
-    job = launch.job_id().encode()
+def job_processes(launch):
+    """Pids of the processes of launch's job, whose id ends in -PID: those with its
+    LAUNCH_JOB mark, and a local node's run_node, whose first argument is JOB/HOST_NUMBER.
+    (A local node runs in a session of its own, out of reach of a kill of launch's group.)"""
+    job = rb"\d{8}-\d{6}-%d/" % launch.pid
+    pids = []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
-            assert b"LAUNCH_JOB=" + job + b"/" not in Path(f"/proc/{entry.name}/environ").read_bytes()
-            assert b"\0" + job + b"/" not in Path(f"/proc/{entry.name}/cmdline").read_bytes()
+            if (re.search(rb"(^|\0)LAUNCH_JOB=" + job, Path(f"/proc/{entry.name}/environ").read_bytes())
+                    or re.search(rb"\0" + job, Path(f"/proc/{entry.name}/cmdline").read_bytes())):
+                pids.append(int(entry.name))
+    return pids
 
 
 def workers(cluster, host):
@@ -481,7 +488,7 @@ def test_localhost_runs_without_ssh(tmp_path, start):
     assert re.search(r"^localhost: start: world_size=2 ", launch.out, re.M)
     assert not ssh_called.exists()
     assert (tmp_path / "logs" / launch.job_id() / "localhost.log").read_text()
-    assert_no_local_job_process(launch)
+    assert not job_processes(launch)
 
 
 @pytest.mark.parametrize("hosts", [["localhost", "node1"], ["node1", "localhost"]])
@@ -498,7 +505,7 @@ def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
         assert re.search(rf"^  {host} +0 ", launch.err, re.M), f"{host} not in the summary"
     assert re.search(r"^(localhost|node1): start: world_size=2 backend=gloo", launch.out, re.M)
     assert_nothing_left(cluster, launch)
-    assert_no_local_job_process(launch)
+    assert not job_processes(launch)
 
 
 def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
@@ -584,7 +591,7 @@ def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
     assert re.search(r"^  localhost +143 .*stopped by launch.sh", launch.err, re.M), launch.err
     assert "KeyboardInterrupt" not in launch.out  # torchrun passes a SIGINT on to its workers
     assert_nothing_left(cluster, launch)
-    assert_no_local_job_process(launch)
+    assert not job_processes(launch)
 
 
 def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start):
@@ -670,22 +677,21 @@ def test_help_through_a_symlink(tmp_path, script):
 
 @pytest.mark.parametrize("script", ["launch.sh", "setup_ssh.sh"])
 def test_run_with_sh_says_to_use_bash(script):
-    sh_is_bash = subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True,
-                                text=True, timeout=30).stdout.strip()
-    if sh_is_bash:
-        pytest.skip("sh is bash here")
     result = subprocess.run(["sh", REPO / script, "--help"], capture_output=True, text=True,
                             timeout=30)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == f"{script}: run it with bash, not sh\n"
 
 
-def test_script_arguments_before_the_script_are_refused(tmp_path, start):
-    launch = run_launch(start, [REPO / "hosts.txt", "2", "--arch", "cnn"], launch_env(), timeout=30,
-                        cwd=tmp_path)
-    assert launch.proc.returncode == 2 and launch.out == ""
-    assert launch.err == ("launch.sh: SCRIPT comes before its arguments: "
-                          f"launch.sh {REPO / 'hosts.txt'} 2 train.py --arch ...\n")
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run=yes", "hosts.txt", "2"], "--dry-run takes no value"),
+    (["--port=", "hosts.txt", "2"], "--port needs a value"),
+    (["hosts.txt", "2", "--arch", "cnn"], "SCRIPT comes before its arguments, and launch.sh's "
+     "options before HOSTFILE: launch.sh [options] hosts.txt 2 train.py --arch ..."),
+], ids=["flag_with_value", "empty_value", "script_arguments_first"])
+def test_rejects_misplaced_arguments(start, args, message):
+    launch = run_launch(start, args, launch_env(), timeout=30)
+    assert (launch.proc.returncode, launch.out, launch.err) == (2, "", f"launch.sh: {message}\n")
 
 
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
