@@ -50,6 +50,17 @@ class UsageError(Exception):
     """A problem the user can fix; main() prints it as one line instead of a traceback."""
 
 
+def speaks_for_node():
+    """Whether this process prints an error that, before the process group exists, every
+    rank of its node has alike: under torchrun (LOCAL_WORLD_SIZE set) local rank 0 says it
+    once; started without torchrun, each rank says its own."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 or "LOCAL_WORLD_SIZE" not in os.environ
+
+
+def wait_to_be_stopped():
+    time.sleep(10)  # torchrun stops this rank once local rank 0 has said why, and exited
+
+
 # ----------------------------------------------------------------------------- arguments
 
 def positive_int(text):
@@ -68,6 +79,8 @@ def positive_float(text):
 
 class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):
+        if not speaks_for_node():
+            wait_to_be_stopped()
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -739,14 +752,10 @@ def main(argv=None):
     try:
         rank, local_rank, world_size, device = setup_distributed(args)
         return train(args, rank, local_rank, world_size, device)
-    except UsageError as e:
-        # Raised before the process group exists. Under torchrun (LOCAL_WORLD_SIZE set) it is
-        # alike on every rank of a node: local rank 0 says it once, and the others wait for
-        # torchrun to stop them. Without torchrun, each rank says its own.
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or "LOCAL_WORLD_SIZE" not in os.environ:
-            print_errors([e])
-        else:
-            time.sleep(10)
+    except UsageError as e:  # raised before the process group exists
+        if not speaks_for_node():
+            wait_to_be_stopped()
+        print_errors([e])
         sys.exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.

@@ -309,26 +309,38 @@ def test_nccl_without_a_gpu_is_one_message_per_node():
     assert f'File "{TRAIN}"' not in result.stderr
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},
-     "2 processes on {host}, which has 1 GPU(s) visible: run at most that many processes per node"),
-    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),  # local rank 0 says it for the node
+TOO_MANY = ("2 processes on {host}, which has 1 GPU(s) visible: run at most that many "
+            "processes per node")
+
+
+@pytest.mark.parametrize("env, message, waits", [
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}, TOO_MANY, False),
+    # Local rank 0 says it for the node: the others wait for torchrun to stop them.
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, TOO_MANY, True),
     ({"LOCAL_RANK": "1"},  # set by hand, without torchrun: no other rank speaks for this one
-     "LOCAL_RANK 1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0"),
+     "LOCAL_RANK 1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0", False),
     ({"LOCAL_RANK": "-1"},
-     "LOCAL_RANK -1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0"),
+     "LOCAL_RANK -1, but {host} has 1 GPU(s) visible: LOCAL_RANK picks the GPU, 0 to 0", False),
 ], ids=["torchrun_local_rank_0", "torchrun_local_rank_1", "by_hand", "negative"])
-def test_more_processes_than_gpus_stop_before_cuda(monkeypatch, capfd, env, message):
+def test_more_processes_than_gpus_stop_before_cuda(monkeypatch, capfd, env, message, waits):
     """On a machine faked to have one GPU; torch's own error would be a traceback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("reached set_device"))
-    monkeypatch.setattr(train.time, "sleep", lambda seconds: None)  # as they wait for torchrun
+    waited = []
+    monkeypatch.setattr(train.time, "sleep", waited.append)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    err = f"train.py: error: {message.format(host=socket.gethostname())}\n" if message else ""
+    err = f"train.py: error: {message.format(host=socket.gethostname())}\n"
     assert main_in_process(capfd, "--dataset", "synthetic", backend="nccl") == (1, "", err)
+    assert bool(waited) == waits
+
+
+def test_bad_arguments_under_torchrun_are_one_message_per_node():
+    result = torchrun(2, "--dataset", "synthetic", "--bogus", timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("train.py: error: unrecognized arguments: --bogus") == 1
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
