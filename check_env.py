@@ -8,6 +8,7 @@
                                                  ... and check each host has 4 GPUs
   python check_env.py --hosts hosts.txt --allreduce
                                                  ... then time all-reduce across them
+  python check_env.py --allreduce --nproc 8      time all-reduce between 8 processes here
 
 Remote hosts are reached with SSH_COMMAND (default "ssh", split on spaces like
 git's GIT_SSH_COMMAND) in BatchMode. The report runs there by streaming this
@@ -815,13 +816,12 @@ def parse_args(argv):
     parser.add_argument(
         "--allreduce",
         action="store_true",
-        help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB)",
+        help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB); "
+        "without --hosts, between this machine's processes (its GPUs, say)",
     )
     # Internal: what torchrun runs on each rank for --allreduce.
     parser.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if (args.allreduce or args.nproc) and not args.hosts:
-        parser.error("--allreduce and --nproc need --hosts")
     if args.allreduce and args.json:
         parser.error("--allreduce prints a table; it cannot be combined with --json")
     return args
@@ -834,7 +834,7 @@ def positive_int(text):
 
 
 def check_hosts(args):
-    hosts = read_hosts(args.hosts)
+    hosts = read_hosts(args.hosts) if args.hosts else [Host("localhost", None, "localhost", None, True)]
     reports = fetch_reports(hosts, args.python)
     labels = [host.entry for host in hosts]
     addresses, address_problems = job_addresses(hosts, reports)
@@ -872,7 +872,7 @@ def main(argv=None):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    if not args.hosts:
+    if not (args.hosts or args.allreduce or args.nproc):
         report = gather_report()
         print(json.dumps(report) if args.json else format_report(report))
         return 0
