@@ -94,9 +94,9 @@ check_node() {
     return 1
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
-  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir"; return 1; }
+  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (--workdir DIR: the code's directory on every host)"; return 1; }
   path=$(command -v -- "$torchrun") || { echo "fail: no torchrun at $torchrun"; return 1; }
-  [[ -f $script ]] || { echo "fail: no $script in $workdir"; return 1; }
+  [[ -f $script ]] || { echo "fail: no $script in $workdir (launch from its directory, or --workdir DIR)"; return 1; }
   python=${path%/*}/python
   [[ -x $python ]] || python=python3
   if [[ $port == free ]]; then

@@ -477,6 +477,15 @@ def test_preflight_names_every_failing_host(cluster, tmp_path, start):
         assert re.search(rf"^  {host} +no torchrun at /no/such/torchrun$", launch.err, re.M), launch.err
 
 
+def test_preflight_says_where_the_script_is_missing(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = run_launch(start, ["--dry-run", hostfile, "1"], launch_env(), timeout=30, cwd=tmp_path)
+    assert launch.proc.returncode == 1
+    assert launch.err.endswith(f"  localhost  no train.py in {tmp_path} (launch from its directory, "
+                               "or --workdir DIR)\n"), launch.err
+
+
 def test_localhost_runs_without_ssh(tmp_path, start):
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
