@@ -485,7 +485,7 @@ wait_for_hosts() {
 print_log_end() {
   local end
   end=$(awk '/^Traceback \(most recent call last\):$/ { start = NR }
-    /ChildFailedError/ && start { end = start - 1 } END { print (end == "" ? NR : end) }' "$1")
+    /ChildFailedError/ && start { end = start - 1 } END { print (end > 0 ? end : NR) }' "$1")
   head -n "$end" "$1" | tail -n 20
 }
 
