@@ -22,7 +22,8 @@
 #                     worker fails (default: 0)
 #   --torchrun PATH   torchrun to run on every host (default: the one on this
 #                     machine's PATH, at the same absolute path)
-#   --workdir DIR     directory to run in on every host (default: this one)
+#   --workdir DIR     directory to run in on every host (default: this one;
+#                     a relative DIR is taken from this one)
 #   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
 #                     (no $VAR expansion, no quote removal; 4 KiB in all
 #                     with the forwarded variables)
@@ -95,7 +96,14 @@ check_node() {
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
   cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (--workdir DIR: the code's directory on every host)"; return 1; }
-  path=$(command -v -- "$torchrun") || { echo "fail: no torchrun at $torchrun"; return 1; }
+  if ! path=$(command -v -- "$torchrun"); then
+    if [[ $torchrun == /* ]]; then
+      echo "fail: no torchrun at $torchrun"
+    else
+      echo "fail: no $torchrun on this host's PATH (as SSH sets it): give --torchrun an absolute path"
+    fi
+    return 1
+  fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (launch from its directory, or --workdir DIR)"; return 1; }
   python=${path%/*}/python
   [[ -x $python ]] || python=python3
@@ -543,10 +551,14 @@ main() {
   script_args=("${@:4}")
 
   [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
-  [[ $script != -* ]] || die "SCRIPT comes before its arguments, and launch.sh's options" \
-    "before HOSTFILE: launch.sh [options] $hostfile $nproc train.py $script ..."
+  case $script in
+    -h | --help | --dry-run | --max-restarts* | --torchrun* | --workdir* | --env-file* | \
+      --port* | --log-dir*) die "$script is an option of launch.sh: put it before HOSTFILE" ;;
+    -*) die "SCRIPT comes before its arguments: launch.sh $hostfile $nproc train.py $script ..." ;;
+  esac
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
+  [[ $workdir == /* ]] || workdir=$PWD/$workdir # the same path on every host as here
   size=$(($(quote_words "${script_args[@]}" | wc -c)))
   ((size <= MAX_ARGS_BYTES)) \
     || die "the arguments for $script take $size bytes quoted; at most $MAX_ARGS_BYTES fit: put them in a file"

@@ -44,6 +44,7 @@ class Launch:
 
     def __init__(self, args, env, cwd, out_dir):
         self.out_path, self.err_path = out_dir / "launch.out", out_dir / "launch.err"
+        env = {**env, "TMPDIR": str(out_dir)}  # what a killed launch.sh cannot remove stays there
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 ["env", "--default-signal=INT", LAUNCH, *map(str, args)],
@@ -486,6 +487,15 @@ def test_preflight_says_where_the_script_is_missing(tmp_path, start):
                                "or --workdir DIR)\n"), launch.err
 
 
+def test_a_relative_workdir_is_taken_from_here(tmp_path, start):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = run_launch(start, ["--dry-run", "--workdir", "tests", hostfile, "1", "dist_probe.py"],
+                        launch_env(), timeout=30)
+    assert launch.proc.returncode == 0, launch.err
+    assert f"localhost (local): cd '{REPO / 'tests'}' && " in launch.out
+
+
 def test_localhost_runs_without_ssh(tmp_path, start):
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
@@ -695,9 +705,10 @@ def test_run_with_sh_says_to_use_bash(script):
 @pytest.mark.parametrize("args, message", [
     (["--dry-run=yes", "hosts.txt", "2"], "--dry-run takes no value"),
     (["--port=", "hosts.txt", "2"], "--port needs a value"),
-    (["hosts.txt", "2", "--arch", "cnn"], "SCRIPT comes before its arguments, and launch.sh's "
-     "options before HOSTFILE: launch.sh [options] hosts.txt 2 train.py --arch ..."),
-], ids=["flag_with_value", "empty_value", "script_arguments_first"])
+    (["hosts.txt", "2", "--arch", "cnn"],
+     "SCRIPT comes before its arguments: launch.sh hosts.txt 2 train.py --arch ..."),
+    (["hosts.txt", "2", "--dry-run"], "--dry-run is an option of launch.sh: put it before HOSTFILE"),
+], ids=["flag_with_value", "empty_value", "script_arguments_first", "option_last"])
 def test_rejects_misplaced_arguments(start, args, message):
     launch = run_launch(start, args, launch_env(), timeout=30)
     assert (launch.proc.returncode, launch.out, launch.err) == (2, "", f"launch.sh: {message}\n")
