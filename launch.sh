@@ -95,7 +95,7 @@ check_node() {
     return 1
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
-  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (--workdir DIR: the code's directory on every host)"; return 1; }
+  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (see --workdir)"; return 1; }
   if ! path=$(command -v -- "$torchrun"); then
     if [[ $torchrun == /* ]]; then
       echo "fail: no torchrun at $torchrun"
@@ -104,7 +104,7 @@ check_node() {
     fi
     return 1
   fi
-  [[ -f $script ]] || { echo "fail: no $script in $workdir (launch from its directory, or --workdir DIR)"; return 1; }
+  [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
   python=${path%/*}/python
   [[ -x $python ]] || python=python3
   if [[ $port == free ]]; then
@@ -558,7 +558,7 @@ main() {
   esac
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"
   [[ -z $port ]] || is_port "$port" || die "--port must be a port number: $port"
-  [[ $workdir == /* ]] || workdir=$PWD/$workdir # the same path on every host as here
+  [[ $workdir == /* ]] || workdir=$PWD/$workdir # from here, as the default is
   size=$(($(quote_words "${script_args[@]}" | wc -c)))
   ((size <= MAX_ARGS_BYTES)) \
     || die "the arguments for $script take $size bytes quoted; at most $MAX_ARGS_BYTES fit: put them in a file"

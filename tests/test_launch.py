@@ -483,8 +483,8 @@ def test_preflight_says_where_the_script_is_missing(tmp_path, start):
     hostfile.write_text("localhost\n")
     launch = run_launch(start, ["--dry-run", hostfile, "1"], launch_env(), timeout=30, cwd=tmp_path)
     assert launch.proc.returncode == 1
-    assert launch.err.endswith(f"  localhost  no train.py in {tmp_path} (launch from its directory, "
-                               "or --workdir DIR)\n"), launch.err
+    assert launch.err.endswith(f"  localhost  no train.py in {tmp_path} (cd to it, or see --workdir)\n"), \
+        launch.err
 
 
 def test_a_relative_workdir_is_taken_from_here(tmp_path, start):
