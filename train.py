@@ -50,15 +50,13 @@ class UsageError(Exception):
     """A problem the user can fix; main() prints it as one line instead of a traceback."""
 
 
-def speaks_for_node():
-    """Whether this process prints an error that, before the process group exists, every
-    rank of its node has alike: under torchrun (LOCAL_WORLD_SIZE set) local rank 0 says it
-    once; started without torchrun, each rank says its own."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 or "LOCAL_WORLD_SIZE" not in os.environ
-
-
-def wait_to_be_stopped():
-    time.sleep(10)  # torchrun stops this rank once local rank 0 has said why, and exited
+def let_local_rank_0_speak():
+    """Call before printing an error that, before the process group exists, every rank of
+    the node has alike. Under torchrun (LOCAL_WORLD_SIZE set) local rank 0 says it once: the
+    others wait, and torchrun stops them once it has exited. Without torchrun, each rank
+    says its own."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0 and "LOCAL_WORLD_SIZE" in os.environ:
+        time.sleep(10)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -79,8 +77,7 @@ def positive_float(text):
 
 class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):
-        if not speaks_for_node():
-            wait_to_be_stopped()
+        let_local_rank_0_speak()
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -753,8 +750,7 @@ def main(argv=None):
         rank, local_rank, world_size, device = setup_distributed(args)
         return train(args, rank, local_rank, world_size, device)
     except UsageError as e:  # raised before the process group exists
-        if not speaks_for_node():
-            wait_to_be_stopped()
+        let_local_rank_0_speak()
         print_errors([e])
         sys.exit(1)
     finally:
