@@ -163,6 +163,9 @@ run_node() {
   torchrun_pid=$!
   while IFS= read -r -d '' -t "$silence" _; do :; done <&0 & # (without <&0: /dev/null)
   reader=$!
+  # Bash reports a job killed by a signal with four lines of the job's source,
+  # on its stderr, when it sees fit: torchrun's end is told below in one line.
+  exec 2>/dev/null
   # Polls rather than `wait -n`, which misses a job that ended before it was
   # called: the reader does, when launch.sh is stopped as the job starts.
   while kill -0 "$torchrun_pid" 2>/dev/null && kill -0 "$reader" 2>/dev/null; do
@@ -181,6 +184,7 @@ run_node() {
     done
   else
     wait "$torchrun_pid" || status=$?
+    if ((status > 128)); then echo "launch.sh: torchrun was killed by SIG$(kill -l "$status")"; fi
   fi
   signal_job KILL
   kill "$reader" 2>/dev/null || true
@@ -208,7 +212,7 @@ collect_env() {
     if [[ $name =~ $FORWARDED ]]; then env_entries+=("$name=${!name}"); fi
   done < <(compgen -e)
   if [[ -n $env_file ]]; then
-    [[ -f $env_file ]] || die "$env_file: no such file"
+    require_readable_file "$env_file"
     while IFS= read -r line || [[ -n $line ]]; do
       n=$((n + 1))
       line=${line%$'\r'} # written on Windows
@@ -243,10 +247,8 @@ run_checks() {
     "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
     pending[$!]=$i
   done
-  # || true: a check may be gone already (a signal to the whole group), and
-  # set -e would end this script with 1 before the exit.
-  trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 130' INT
-  trap 'kill "${!pending[@]}" 2>/dev/null || true; exit 143' TERM
+  trap 'stop_checks 130' INT
+  trap 'stop_checks 143' TERM
   while :; do
     for pid in "${!pending[@]}"; do
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
@@ -260,6 +262,15 @@ run_checks() {
     wait "${!pending[@]}" 2>/dev/null || true # (no "Killed" notice)
   fi
   trap - INT TERM
+}
+
+# On a signal during preflight: kills run_checks' pending checks and exits $1.
+stop_checks() {
+  # || true: a check may be gone already (a signal to the whole group), and
+  # set -e would end this script with 1 before the exit.
+  kill "${!pending[@]}" 2>/dev/null || true
+  echo "launch.sh: stopped during preflight, nothing was started" >&2
+  exit "$1"
 }
 
 # Prints why the address remote host number $1 reports cannot serve the job,

@@ -646,6 +646,12 @@ def train(args, rank, local_rank, world_size, device):
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
+    # torchrun says nothing of a restart at its default log level, and counts it only on
+    # the node whose workers failed: the others restart theirs uncounted.
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if local_rank == 0 and restart > 0:
+        log(f"torchrun on {socket.gethostname()} restarted its workers after a failure there "
+            f"(restart {restart} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']})")
     check_same_args_everywhere(args)
     ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
     prepare_outputs(args, ckpt_path, rank)

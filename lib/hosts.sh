@@ -19,13 +19,20 @@ is_port() {
   [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
 }
 
+# Dies unless $1 is a file this script can read (a pipe, as from <(...), is one).
+require_readable_file() {
+  [[ -e $1 ]] || die "$1: no such file"
+  [[ ! -d $1 ]] || die "$1: is a directory"
+  [[ -r $1 ]] || die "$1: no permission to read it"
+}
+
 # Appends each host of file $1 to the caller's arrays labels (the line),
 # destinations ([user@]host), ports (may be empty) and local_node ("yes" or
 # empty); dies on a malformed line, a duplicate or an empty file.
 read_hostfile() {
   local file=$1 line n=0 user host port key own_names=() addresses=()
   local -A seen=()
-  [[ -f $file ]] || die "$file: no such file"
+  require_readable_file "$file"
   own_names=(localhost "$(hostname)")
   read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
   own_names+=("${addresses[@]}")

@@ -557,6 +557,30 @@ def test_a_failed_host_shows_the_workers_error_not_torchruns_report(tmp_path, st
     assert launch.err.endswith("the end of its log:\n  localhost: train.py: error: the cause\n"), launch.err
 
 
+def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text("#!/bin/sh\necho started\nexec sleep 600\n")
+    torchrun.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN],
+                   launch_env())
+    launch.wait_for_output(r"^localhost: started$", timeout=30)
+    (victim,) = [pid for pid in job_processes(launch) if Path(f"/proc/{pid}/comm").read_text() == "sleep\n"]
+    os.kill(victim, signal.SIGKILL)  # as the OOM killer would
+    assert launch.wait(10) == 1
+    # Not bash's own report, four lines of run_node's source that begin "environment: line".
+    assert launch.err.endswith("  localhost: started\n"
+                               "  localhost: launch.sh: torchrun was killed by SIGKILL\n"), launch.err
+
+
+def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
+    for args in ([tmp_path, "1"], ["--env-file", tmp_path, REPO / "hosts.txt", "1"]):
+        launch = run_launch(start, args, launch_env(), timeout=30, cwd=tmp_path)
+        assert launch.proc.returncode == 2
+        assert launch.err == f"launch.sh: {tmp_path}: is a directory\n"
+
+
 @pytest.mark.parametrize("cut", ["reset", "silent"])
 def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
     """node2's SSH connection dies, with a reset (its sshd killed) or silently (its link
@@ -644,6 +668,8 @@ def test_restart_resumes_exactly(cluster, tmp_path, start):
     (victim,) = workers(cluster, "node2")
     os.kill(victim, signal.SIGKILL)
     assert launch.wait(120) == 0, launch.out + launch.err
+    assert re.search(r"^node2: torchrun on node2 restarted its workers after a failure there "
+                     r"\(restart 1 of at most 1\)$", launch.out, re.M), launch.out
     assert re.search(r"^node\d: resumed from .* step [1-9]", launch.out, re.M), launch.out
     expected = load(tmp_path / "a" / "last.pt")["model"]
     actual = load(tmp_path / "b" / "last.pt")["model"]
@@ -779,6 +805,7 @@ def test_sigterm_to_the_whole_group_during_preflight_exits_143(tmp_path, start):
     time.sleep(3)  # "fine" has answered; "stuck" never will
     os.killpg(launch.pid, signal.SIGTERM)  # as timeout(1), systemd or Slurm do: its checks die too
     assert launch.wait(10) == 143, launch.err
+    assert launch.err == "launch.sh: stopped during preflight, nothing was started\n"
 
 
 def test_a_host_that_ends_at_once_is_never_a_failure(tmp_path, start):
