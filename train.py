@@ -37,12 +37,15 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Fix: the pattern normalised with (0.5,
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 EVAL_BATCH_SIZE = 1024
-# Arguments that fix the training trajectory: a checkpoint only resumes a run that agrees on them.
-TRAJECTORY_ARGS = ["arch", "dataset", "batch_size", "accum_steps", "lr", "seed", "amp", "compile"]
+# Arguments a resumed run may change: how long it runs, where it reads and writes, what it
+# prints, and how processes meet. All others (any you add, too) fix the training trajectory:
+# a checkpoint resumes only a run that agrees on them.
+RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend", "timeout",
+                          "checkpoint_dir", "save_every", "log_every", "metrics"]
 # Arguments that may differ from node to node (a path on each node's own disks); all the
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
-# What save_checkpoint writes; a file without all of it is not a train.py checkpoint.
+# What save_checkpoint writes; a file without all of it was not written by this train.py.
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 
 
@@ -329,7 +332,8 @@ def load_mnist(root, download, rank, local_rank):
 
 
 def build_data(args, rank, local_rank, device):
-    """(train_x, train_y, test_x, test_y) on the device; images stay uint8 (N, 28, 28)."""
+    """(train_x, train_y, test_x, test_y) on the device; images stay uint8, as (N, 1, 28, 28),
+    the shape the model takes, so that normalize changes values only."""
     if args.dataset == "synthetic":
         # The same fixed seed on every rank, so all ranks hold the same data set.
         train_x, train_y = synthetic_mnist(60_000, seed=1)
@@ -340,7 +344,8 @@ def build_data(args, rank, local_rank, device):
     check_same_data_everywhere((train_x, train_y, test_x, test_y))
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
-    return tuple(t.to(device) for t in (train_x, train_y, test_x, test_y))
+    return (train_x.unsqueeze(1).to(device), train_y.to(device),
+            test_x.unsqueeze(1).to(device), test_y.to(device))
 
 
 def check_same_args_everywhere(args):
@@ -375,8 +380,8 @@ def check_same_data_everywhere(tensors):
 
 
 def normalize(images):
-    """uint8 (B, 28, 28) -> float (B, 1, 28, 28) with MNIST's mean and std."""
-    return ((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
+    """uint8 pixels -> floats with MNIST's mean and std."""
+    return (images.float() / 255 - MNIST_MEAN) / MNIST_STD
 
 
 def epoch_order(num_samples, epoch, rank, world_size, seed):
@@ -477,6 +482,12 @@ def prepare_outputs(args, ckpt_path, rank):
     stop_together(error)
 
 
+def plain_args(args):
+    """The arguments as torch.load(weights_only=True) reads them back: a type it does not
+    know (an argument of type=pathlib.Path, say) would make every checkpoint unloadable."""
+    return json.loads(json.dumps(vars(args), default=str))
+
+
 def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
     """Global rank 0 writes `path` atomically. Every rank must call this: RNG states are
     gathered from all, and a save that fails stops them all."""
@@ -491,7 +502,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, r
             "epoch": epoch,  # the epoch in progress (for people; resume goes by step)
             "step": step,  # optimizer steps done in total
             "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
-            "args": vars(args),
+            "args": plain_args(args),
             "world_size": len(rng_states),
         }
         tmp = f"{path}.tmp"
@@ -541,21 +552,48 @@ def load_checkpoint(path, args, rank, world_size):
     if rank == 0 and os.path.exists(path):
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
-            if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-                raise ValueError("not a train.py checkpoint")
-            mismatched = [f"--{k.replace('_', '-')} {checkpoint['args'][k]} (now {getattr(args, k)})"
-                          for k in TRAJECTORY_ARGS if checkpoint["args"][k] != getattr(args, k)]
-        except Exception as e:  # truncated, corrupt, or not ours: never start over silently
+        except Exception as e:  # truncated or corrupt: never start over silently
             error = (f"checkpoint {path} is unreadable ({describe(e)}); "
                      "move it away to start over, or restore a good copy")
         else:
-            if checkpoint["world_size"] != world_size:
-                mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
-            if mismatched:
-                error = (f"checkpoint {path} was written by a run with {', '.join(mismatched)}; "
-                         "exact resume needs the same settings: use them, or another --checkpoint-dir")
+            problem = why_not_resumable(checkpoint, args, world_size)
+            error = f"checkpoint {path} {problem}" if problem else None
     stop_together(error)
     return broadcast_from_rank0(checkpoint)
+
+
+def why_not_resumable(checkpoint, args, world_size):
+    """Why this run cannot go on exactly from `checkpoint`, or None."""
+    missing = sorted(CHECKPOINT_KEYS - (checkpoint.keys() if isinstance(checkpoint, dict) else set()))
+    if missing:
+        return (f"holds no {', '.join(missing)}, so this train.py did not write it; "
+                "move it away to start over, or use another --checkpoint-dir")
+    mine, theirs = plain_args(args), checkpoint["args"]
+    mismatched = [f"--{k.replace('_', '-')} {theirs.get(k)} (now {mine[k]})"
+                  for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs.get(k) != mine[k]]
+    if checkpoint["world_size"] != world_size:
+        mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
+    if mismatched:
+        return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
+                "same settings: use them, or another --checkpoint-dir")
+    return None
+
+
+def resume_from(checkpoint, path, model, optimizer, scaler, device, rank):
+    """Load the checkpoint's state into this rank; return the step to go on from."""
+    error = None
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scaler.load_state_dict(checkpoint["scaler"])
+    except (RuntimeError, ValueError, KeyError) as e:  # the model's or optimizer's code changed
+        error = (f"checkpoint {path} does not fit this model and optimizer ({describe(e)}); "
+                 "move it away to start over, or use another --checkpoint-dir")
+    stop_together(error)
+    set_rng_state(checkpoint["rng"][rank], device)
+    if rank == 0:
+        log(f"resumed from {path} at step {checkpoint['step']}")
+    return checkpoint["step"]
 
 
 # ----------------------------------------------------------------------------- train / eval
@@ -658,6 +696,7 @@ def train(args, rank, local_rank, world_size, device):
     train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
 
     model = build_model(args.arch).to(device)
+    # An LR scheduler, if you add one, goes into the checkpoint too, or resume is not exact.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Fix: the pattern built the deprecated torch.cuda.amp.GradScaler and never used it,
     # so it trained in plain fp32. fp16 needs the scaler; bf16 and fp32 pass through it.
@@ -674,13 +713,7 @@ def train(args, rank, local_rank, world_size, device):
     step = 0
     checkpoint = load_checkpoint(ckpt_path, args, rank, world_size) if ckpt_path else None
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
-        set_rng_state(checkpoint["rng"][rank], device)
-        step = checkpoint["step"]
-        if rank == 0:
-            log(f"resumed from {ckpt_path} at step {step}")
+        step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, device, rank)
 
     ddp_model = wrap_ddp(model, device)
     if args.compile:

@@ -152,10 +152,38 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, cap
     assert "weights_only" not in err  # torch's advice to load it anyway, running its code
     torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
-    assert code == 1 and "not a train.py checkpoint" in err
+    assert code == 1 and "holds no args, epoch, optimizer, rng, scaler, step, world_size, so " in err
     (ckpt_dir / "last.pt").write_bytes(good)
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4", "--seed", "7", "--compile")
     assert code == 1 and "--seed 0 (now 7), --compile False (now True)" in err
+
+
+def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd):
+    """A user's copy of train.py changes: an argument added since the checkpoint was
+    written, a model of another shape, an argument of a type torch.load refuses."""
+    ckpt_dir = tmp_path / "ck"
+    args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", ckpt_dir, "--max-steps", "4"]
+    assert_ok(run([sys.executable, TRAIN, *args[:-1], "2"]))
+    good = load(ckpt_dir / "last.pt")
+    older = {**good, "args": {k: v for k, v in good["args"].items() if k != "lr"}}
+    torch.save(older, ckpt_dir / "last.pt")  # as if --lr were new: guarded, not ignored
+    code, _, err = main_in_process(capfd, *args)
+    assert code == 1 and "written by a run with --lr None (now 0.01)" in err, err
+    other_model = {**good, "model": {**good["model"], "fc.bias": torch.zeros(11)}}
+    torch.save(other_model, ckpt_dir / "last.pt")
+    code, _, err = main_in_process(capfd, *args)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "does not fit this model and optimizer (RuntimeError: Error(s) in loading state_dict " \
+           "for SmallCNN: size mismatch for fc.bias" in err, err
+    # type=pathlib.Path: torch.load(weights_only=True) would refuse every checkpoint.
+    namespace = train.parse_args([str(a) for a in args])
+    namespace.out_dir = tmp_path
+    model = train.build_model("cnn")
+    optimizer = torch.optim.SGD(model.parameters())
+    train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                          0, 2, namespace, torch.device("cpu"), 0)
+    checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, 0, 1)
+    assert checkpoint["step"] == 2 and checkpoint["args"]["out_dir"] == str(tmp_path)
 
 
 @contextlib.contextmanager
