@@ -124,7 +124,7 @@ check_node() {
 # its workers in sessions of their own). ADDRESS is where the other hosts
 # reach this one.
 run_node() {
-  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status
+  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status signal
   shift 4
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
@@ -184,7 +184,9 @@ run_node() {
     done
   else
     wait "$torchrun_pid" || status=$?
-    if ((status > 128)); then echo "launch.sh: torchrun was killed by SIG$(kill -l "$status")"; fi
+    if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so itself)
+      echo "launch.sh: torchrun was killed by SIG$signal (status $status)"
+    fi
   fi
   signal_job KILL
   kill "$reader" 2>/dev/null || true

@@ -434,6 +434,8 @@ def build_model(arch):
 def wrap_ddp(model, device):
     if not distributed():
         return model
+    # A model of yours with parameters that get no gradient in some steps needs
+    # find_unused_parameters=True here, or DDP raises an error at the step after one.
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     if dist.get_backend() == "gloo":
@@ -552,11 +554,11 @@ def load_checkpoint(path, args, rank, world_size):
     if rank == 0 and os.path.exists(path):
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
-        except Exception as e:  # truncated or corrupt: never start over silently
+            problem = why_not_resumable(checkpoint, args, world_size)
+        except Exception as e:  # truncated, corrupt, malformed: never start over silently
             error = (f"checkpoint {path} is unreadable ({describe(e)}); "
                      "move it away to start over, or restore a good copy")
         else:
-            problem = why_not_resumable(checkpoint, args, world_size)
             error = f"checkpoint {path} {problem}" if problem else None
     stop_together(error)
     return broadcast_from_rank0(checkpoint)
@@ -564,13 +566,15 @@ def load_checkpoint(path, args, rank, world_size):
 
 def why_not_resumable(checkpoint, args, world_size):
     """Why this run cannot go on exactly from `checkpoint`, or None."""
-    missing = sorted(CHECKPOINT_KEYS - (checkpoint.keys() if isinstance(checkpoint, dict) else set()))
+    keys = checkpoint.keys() if isinstance(checkpoint, dict) else set()
+    missing = sorted(CHECKPOINT_KEYS - keys)
     if missing:
         return (f"holds no {', '.join(missing)}, so this train.py did not write it; "
                 "move it away to start over, or use another --checkpoint-dir")
-    mine, theirs = plain_args(args), checkpoint["args"]
-    mismatched = [f"--{k.replace('_', '-')} {theirs.get(k)} (now {mine[k]})"
-                  for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs.get(k) != mine[k]]
+    mine = plain_args(args)
+    theirs = {k: checkpoint["args"].get(k, "(absent)") for k in mine}  # (absent): a newer argument
+    mismatched = [f"--{k.replace('_', '-')} {theirs[k]} (now {mine[k]})"
+                  for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs[k] != mine[k]]
     if checkpoint["world_size"] != world_size:
         mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
     if mismatched:
@@ -684,12 +688,12 @@ def train(args, rank, local_rank, world_size, device):
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
-    # torchrun says nothing of a restart at its default log level, and counts it only on
-    # the node whose workers failed: the others restart theirs uncounted.
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if local_rank == 0 and restart > 0:
-        log(f"torchrun on {socket.gethostname()} restarted its workers after a failure there "
-            f"(restart {restart} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']})")
+    # torchrun says nothing of a restart at its default log level, and counts restarts per
+    # node, only on a node whose workers failed: the others restart theirs uncounted.
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if local_rank == 0 and restarts > 0:
+        log(f"torchrun on {socket.gethostname()} restarted its workers after failures there: "
+            f"{restarts} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts used")
     check_same_args_everywhere(args)
     ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
     prepare_outputs(args, ckpt_path, rank)

@@ -168,7 +168,7 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     older = {**good, "args": {k: v for k, v in good["args"].items() if k != "lr"}}
     torch.save(older, ckpt_dir / "last.pt")  # as if --lr were new: guarded, not ignored
     code, _, err = main_in_process(capfd, *args)
-    assert code == 1 and "written by a run with --lr None (now 0.01)" in err, err
+    assert code == 1 and "written by a run with --lr (absent) (now 0.01)" in err, err
     other_model = {**good, "model": {**good["model"], "fc.bias": torch.zeros(11)}}
     torch.save(other_model, ckpt_dir / "last.pt")
     code, _, err = main_in_process(capfd, *args)
