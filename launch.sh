@@ -184,7 +184,7 @@ run_node() {
     done
   else
     wait "$torchrun_pid" || status=$?
-    if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so itself)
+    if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)
       echo "launch.sh: torchrun was killed by SIG$signal (status $status)"
     fi
   fi

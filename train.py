@@ -572,7 +572,7 @@ def why_not_resumable(checkpoint, args, world_size):
         return (f"holds no {', '.join(missing)}, so this train.py did not write it; "
                 "move it away to start over, or use another --checkpoint-dir")
     mine = plain_args(args)
-    theirs = {k: checkpoint["args"].get(k, "(absent)") for k in mine}  # (absent): a newer argument
+    theirs = {k: checkpoint["args"].get(k, "(absent)") for k in mine}  # (absent): added since
     mismatched = [f"--{k.replace('_', '-')} {theirs[k]} (now {mine[k]})"
                   for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs[k] != mine[k]]
     if checkpoint["world_size"] != world_size:
