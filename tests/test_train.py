@@ -180,8 +180,9 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     namespace.out_dir = tmp_path
     model = train.build_model("cnn")
     optimizer = torch.optim.SGD(model.parameters())
-    train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
-                          0, 2, namespace, torch.device("cpu"), 0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, scaler, 0, 2, namespace,
+                          torch.device("cpu"), 0)
     checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, 0, 1)
     assert checkpoint["step"] == 2 and checkpoint["args"]["out_dir"] == str(tmp_path)
 
@@ -369,6 +370,16 @@ def test_bad_arguments_under_torchrun_are_one_message_per_node():
     result = torchrun(2, "--dataset", "synthetic", "--bogus", timeout=60)
     assert result.returncode != 0
     assert result.stderr.count("train.py: error: unrecognized arguments: --bogus") == 1
+
+
+def test_the_data_check_takes_tensors_of_any_dtype():
+    images = torch.arange(12, dtype=torch.uint8).view(3, 2, 2)
+    labels = torch.tensor([1, 2, 3])
+    # One process, so nothing to differ from: it returns (raising nothing, numpy's TypeError
+    # on bfloat16 included).
+    assert train.check_same_data_everywhere((images, labels, images, labels)) is None
+    assert train.check_same_data_everywhere(
+        (images.bfloat16(), labels, images.float().requires_grad_(), labels)) is None
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
