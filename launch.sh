@@ -124,7 +124,7 @@ check_node() {
 # its workers in sessions of their own). ADDRESS is where the other hosts
 # reach this one.
 run_node() {
-  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status signal
+  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status signal parent
   shift 4
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
@@ -151,6 +151,17 @@ run_node() {
     mapfile -t pids < <(job_pids)
     if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
   }
+  # SIGTERM, 5 s for the workers to end, then SIGKILL. torchrun itself, their
+  # parent, would then spend seconds closing the rendezvous; as the whole job
+  # is ending, nobody needs that.
+  stop_job() {
+    signal_job TERM
+    for _ in {1..25}; do
+      job_pids | grep -qvxF "$torchrun_pid" || break # none left but torchrun
+      sleep 0.2
+    done
+    signal_job KILL
+  }
   # Exported in a subshell that becomes torchrun: the entries reach the job
   # only, so this shell keeps its PATH for the clean-up whatever an --env-file
   # line sets, and no command line holds their values (`env NAME=VALUE ...`
@@ -161,7 +172,14 @@ run_node() {
     exec "$@"
   ) </dev/null 2>&1 &
   torchrun_pid=$!
-  while IFS= read -r -d '' -t "$silence" _; do :; done <&0 & # (without <&0: /dev/null)
+  # The reader ends when stdin closes or stays silent, and then this shell
+  # stops the job; if this shell is gone (a kill -9), the reader does. It holds
+  # no output, which would keep ssh's channel, and launch.sh, waiting.
+  {
+    while IFS= read -r -d '' -t "$silence" _; do :; done
+    read -r _ _ _ parent _ <"/proc/$BASHPID/stat"
+    if ((parent != $$)); then stop_job; fi
+  } <&0 >/dev/null 2>&1 & # (without <&0: /dev/null)
   reader=$!
   # Bash reports a job killed by a signal with four lines of the job's source,
   # on its stderr, when it sees fit: torchrun's end is told below in one line.
@@ -172,16 +190,9 @@ run_node() {
     sleep 0.2
   done
   status=0
-  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed or silent: stop the job
+  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed or silent
     status=143
-    signal_job TERM
-    # 5 s for the workers to end on SIGTERM, then SIGKILL. torchrun itself,
-    # their parent, would then spend seconds closing the rendezvous; as the
-    # whole job is ending, nobody needs that.
-    for _ in {1..25}; do
-      job_pids | grep -qvxF "$torchrun_pid" || break # none left but torchrun
-      sleep 0.2
-    done
+    stop_job
   else
     wait "$torchrun_pid" || status=$?
     if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)

@@ -112,17 +112,19 @@ def run_launch(start, args, env, timeout=120, cwd=REPO):
     return launch
 
 
+def stat_fields(pid):
+    """/proc/PID/stat's fields after the command's name, from the state on; None if gone."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return None
+
+
 def session_processes(sid):
     """Pids of the processes in session sid (launch.sh and its ssh clients)."""
     pids = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
-                pids.append(int(entry.name))
+        if entry.name.isdigit() and (fields := stat_fields(entry.name)) and int(fields[3]) == sid:
+            pids.append(int(entry.name))
     return pids
 
 
@@ -557,7 +559,8 @@ def test_a_failed_host_shows_the_workers_error_not_torchruns_report(tmp_path, st
     assert launch.err.endswith("the end of its log:\n  localhost: train.py: error: the cause\n"), launch.err
 
 
-def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
+def start_a_sleeping_job_here(tmp_path, start):
+    """launch.sh on localhost with a torchrun that says "started" and sleeps; once it has."""
     torchrun = tmp_path / "torchrun"
     torchrun.write_text("#!/bin/sh\necho started\nexec sleep 600\n")
     torchrun.chmod(0o755)
@@ -566,12 +569,52 @@ def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
     launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN],
                    launch_env())
     launch.wait_for_output(r"^localhost: started$", timeout=30)
+    return launch
+
+
+def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
+    launch = start_a_sleeping_job_here(tmp_path, start)
     (victim,) = [pid for pid in job_processes(launch) if Path(f"/proc/{pid}/comm").read_text() == "sleep\n"]
     os.kill(victim, signal.SIGKILL)  # as the OOM killer would
     assert launch.wait(10) == 1
     # Not bash's own report, four lines of run_node's source that begin "environment: line".
     assert launch.err.endswith("  localhost: started\n"
                                "  localhost: launch.sh: torchrun was killed by SIGKILL (status 137)\n"), launch.err
+
+
+def process_state(pid):
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def run_node_with_its_reader(launch):
+    """The pid of a local node's run_node once it has forked its stdin reader, else None:
+    the bash of the job whose child is a bash of the job."""
+    parents = {}
+    for pid in job_processes(launch):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text() == "bash\n" and (fields := stat_fields(pid)):
+                parents[pid] = int(fields[1])
+    return next((parent for parent in parents.values() if parent in parents), None)
+
+
+def test_a_killed_host_shell_leaves_nothing_behind(tmp_path, start):
+    """A kill -9 of a host's own bash (run_node), not of torchrun: the job still ends when
+    launch.sh stops it, and launch.sh is not left waiting for it."""
+    launch = start_a_sleeping_job_here(tmp_path, start)
+    deadline = time.monotonic() + 10
+    while not (run_node := run_node_with_its_reader(launch)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # run_node starts its stdin reader after torchrun
+    assert run_node, "no run_node with its stdin reader"
+    os.kill(run_node, signal.SIGKILL)
+    while time.monotonic() < deadline and process_state(run_node) not in (None, "Z"):
+        time.sleep(0.05)  # a SIGKILL takes effect when the process next runs
+    os.kill(launch.pid, signal.SIGTERM)
+    assert launch.wait(15) == 143, launch.err
+    deadline = time.monotonic() + 10
+    while job_processes(launch) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not job_processes(launch)
 
 
 def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
