@@ -198,8 +198,8 @@ run_node() {
     if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)
       echo "launch.sh: torchrun was killed by SIG$signal (status $status)"
     fi
+    signal_job KILL # what torchrun left behind
   fi
-  signal_job KILL
   kill "$reader" 2>/dev/null || true
   return "$status"
 }
