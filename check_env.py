@@ -45,6 +45,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store
 RDZV_JOIN_TIMEOUT_S = 30  # ... and waiting for the other nodes to join after this
 COLLECTIVE_TIMEOUT_S = 30  # init_process_group: a lost peer fails the collective
 ALLREDUCE_DEADLINE_S = 90  # the whole run, start-up included; then every node is stopped
+TORCHRUN_STOP_S = 5  # a node stopping: from SIGTERM to torchrun until SIGKILL
+NODE_STOP_S = TORCHRUN_STOP_S + 5  # from closing a node's stdin until SIGKILL of its ssh
 RESULT_MARKER = "CHECK_ENV_ALLREDUCE "  # prefixes rank 0's result line in the torchrun output
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_")
@@ -501,7 +504,7 @@ def this_machine_names():
     return names
 
 
-def host_command(host, argv, tty=False):
+def host_command(host, argv):
     """The command line that runs argv on host: argv itself here, otherwise SSH_COMMAND with it."""
     if host.is_local:
         return argv
@@ -509,8 +512,6 @@ def host_command(host, argv, tty=False):
     options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
     if host.port:
         options += ["-p", host.port]
-    if tty:
-        options.append("-tt")
     forwarded = [f"{k}={v}" for k, v in sorted(os.environ.items()) if FORWARDED.fullmatch(k)]
     if forwarded:
         argv = ["env", *forwarded, *argv]
@@ -570,6 +571,7 @@ def on_every_host(hosts, function):
 
 def allreduce_worker():
     """The benchmark body, run by torchrun on every rank (--allreduce-worker)."""
+    threading.Thread(target=exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     import torch
     import torch.distributed as dist
 
@@ -589,6 +591,14 @@ def allreduce_worker():
     if rank == 0:
         result = {"backend": backend, "world_size": world, "rows": rows}
         print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def exit_when_orphaned(torchrun_pid):
+    """End this worker once torchrun, its parent, is gone (killed by run_node, say):
+    blocked in a collective, it would otherwise wait for COLLECTIVE_TIMEOUT_S."""
+    while os.getppid() == torchrun_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def time_allreduce(size, device, rank, world):
@@ -678,6 +688,7 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
     commands = [
         [
             *gloo_interface(report, addr),
+            python, script, "--run-node",  # which stops this node when this script is gone
             python, "-m", "torch.distributed.run",
             f"--nnodes={len(hosts)}", f"--nproc-per-node={nproc}", "--max-restarts=0",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=check-env-{run_id}",
@@ -707,7 +718,8 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
 
 
 def run_nodes(hosts, commands):
-    """Start every node, wait for all; stop them all as soon as one fails.
+    """Start every node (each a --run-node command), wait for all; stop them all as
+    soon as one fails.
 
     Returns (each node's output, index of the first node that failed or None,
     whether the deadline came first).
@@ -716,13 +728,12 @@ def run_nodes(hosts, commands):
     with ThreadPoolExecutor(max_workers=len(hosts)) as readers:
         try:
             for host, argv in zip(hosts, commands):
-                # Remote: -tt gives the remote torchrun a terminal, so that when
-                # this ssh goes (stopped below, or this script killed) it gets
-                # SIGHUP and stops its workers. Local: its own session, so that
-                # stop() can kill it as a group.
+                # stdin stays open: its end stops the node, whether stop() closes
+                # it or this script is killed. Its own session: Ctrl-C reaches
+                # this script only, which stops the nodes in order.
                 proc = subprocess.Popen(
-                    host_command(host, argv, tty=True),
-                    stdin=subprocess.DEVNULL,
+                    host_command(host, argv),
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -736,7 +747,7 @@ def run_nodes(hosts, commands):
 
 
 def read_all(stream):
-    return stream.read().decode(errors="replace").replace("\r", "")  # -tt ends lines with \r\n
+    return stream.read().decode(errors="replace")
 
 
 def wait_for_nodes(procs, deadline):
@@ -754,13 +765,14 @@ def wait_for_nodes(procs, deadline):
 
 
 def stop(procs):
-    """SIGTERM each process group still running, then SIGKILL what is left after 5 s."""
+    """Close each node's stdin, so that it stops its torchrun, and wait for the nodes to
+    end; SIGKILL the process groups, here, of those that have not after NODE_STOP_S."""
     for proc in procs:
-        if proc.poll() is None:
-            kill_group(proc, signal.SIGTERM)
+        proc.stdin.close()
+    deadline = time.monotonic() + NODE_STOP_S
     for proc in procs:
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=max(0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             kill_group(proc, signal.SIGKILL)
             proc.wait()
@@ -771,6 +783,32 @@ def kill_group(proc, sig):
         os.killpg(proc.pid, sig)
     except ProcessLookupError:  # it has just exited
         pass
+
+
+def run_node(argv):
+    """--run-node: run argv (torchrun) until it ends or stdin closes, which happens when
+    run_nodes stops the node or is gone, killed even; then stop argv. Its status is the
+    node's. (Not SIGHUP from a terminal, through `ssh -tt`: that missed a node now and
+    then, and never came when this script was killed, as its ssh clients live on.)"""
+    # stderr into stdout here: ssh carries stderr apart, and lines of the two would
+    # arrive cut and out of order.
+    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    threading.Thread(target=stop_at_end_of_stdin, args=(torchrun,), daemon=True).start()
+    status = torchrun.wait()
+    return 128 - status if status < 0 else status  # as a shell tells a signal
+
+
+def stop_at_end_of_stdin(torchrun):
+    """SIGTERM torchrun's group when stdin ends; SIGKILL it after TORCHRUN_STOP_S. torchrun
+    passes SIGTERM on to its workers, in sessions of their own; they end by themselves
+    if it is killed (exit_when_orphaned)."""
+    while os.read(0, 4096):  # not sys.stdin, whose lock this daemon thread would hold at exit
+        pass
+    kill_group(torchrun, signal.SIGTERM)
+    try:
+        torchrun.wait(timeout=TORCHRUN_STOP_S)
+    except subprocess.TimeoutExpired:
+        kill_group(torchrun, signal.SIGKILL)
 
 
 def explain_node_failure(hosts, failed, outputs, endpoint):
@@ -819,7 +857,8 @@ def parse_args(argv):
         help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB); "
         "without --hosts, between this machine's processes (its GPUs, say)",
     )
-    # Internal: what torchrun runs on each rank for --allreduce.
+    # Internal: what runs torchrun on each host, and what torchrun runs on each rank, for --allreduce.
+    parser.add_argument("--run-node", nargs=argparse.REMAINDER, metavar="ARGV", help=argparse.SUPPRESS)
     parser.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.allreduce and args.json:
@@ -862,6 +901,8 @@ def check_hosts(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.run_node:
+        return run_node(args.run_node)
     if args.allreduce_worker:
         allreduce_worker()
         # Done. Exit without destroying the process group or running the interpreter's C++

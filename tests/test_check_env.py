@@ -4,7 +4,10 @@ command line, node clean-up, and a real all-reduce on this machine."""
 
 import copy
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -440,23 +443,67 @@ def test_too_old_interpreter_is_named_not_a_traceback(tmp_path):
 # --------------------------------------------------------------------------
 
 
+def node(*argv):
+    """argv as run_allreduce runs each node's torchrun: through check_env.py --run-node."""
+    return [sys.executable, str(REPO / "check_env.py"), "--run-node", *argv]
+
+
 def test_run_nodes_stops_the_others_when_one_fails():
     local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed, hung = check_env.run_nodes([local, local], [["sleep", "60"], ["sh", "-c", "echo boom; exit 3"]])
-    assert failed == 1 and not hung and outputs[1] == "boom\n"
+    outputs, failed, hung = check_env.run_nodes(
+        [local, local], [node("sh", "-c", "sleep 60 & echo $!; wait"), node("sh", "-c", "echo boom >&2; exit 3")]
+    )
+    assert failed == 1 and not hung and outputs[1] == "boom\n"  # stderr too
     assert time.monotonic() - start < 10
+    # The whole group goes, not only its leader: the background sleep too.
+    assert not is_running(int(outputs[0]))
 
 
 def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
     monkeypatch.setattr(check_env, "ALLREDUCE_DEADLINE_S", 1)
     local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed, hung = check_env.run_nodes([local], [["sh", "-c", "sleep 60 & echo $!; wait"]])
+    outputs, failed, hung = check_env.run_nodes([local], [node("sleep", "60")])
     assert failed is None and hung
     assert time.monotonic() - start < 10
-    # The whole group goes, not only its leader: the background sleep too.
-    assert not is_running(int(outputs[0]))
+
+
+def test_a_node_whose_stdin_ends_kills_what_ignores_sigterm_after_5_s():
+    proc = subprocess.Popen(
+        node("sh", "-c", "trap '' TERM; sleep 60 & echo $!; wait"), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        sleep_pid = int(proc.stdout.readline())
+        start = time.monotonic()
+        proc.stdin.close()  # as when check_env.py, or the ssh between, is killed
+        assert proc.wait(timeout=15) == 128 + signal.SIGKILL
+        assert 4 < time.monotonic() - start < 10
+        assert not is_running(sleep_pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_worker_ends_when_torchrun_its_parent_is_gone():
+    # A parent that starts the watch in a child, prints the child's pid and exits after 2 s.
+    watch = (
+        f"import os, sys; sys.path.insert(0, {str(REPO)!r}); import check_env; "
+        "check_env.exit_when_orphaned(os.getppid())"
+    )
+    parent = subprocess.run(
+        ["sh", "-c", f'"$0" -c "$1" & echo $!; sleep 2', sys.executable, watch],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    child = int(parent.stdout)
+    deadline = time.monotonic() + 5
+    try:
+        while is_running(child):
+            assert time.monotonic() < deadline, "the orphaned child is still running"
+            time.sleep(0.1)
+    finally:
+        if is_running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def is_running(pid):

@@ -130,7 +130,8 @@ def test_allreduce_fails_fast_when_a_node_cannot_reach_the_rendezvous(cluster, t
     assert cluster.wait_until_idle(10) == {}
 
 
-def test_sigterm_during_allreduce_stops_every_node(cluster, tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_stopping_check_env_during_allreduce_stops_every_node(cluster, tmp_path, stop_signal):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "check_env.py"), "--hosts", str(hostfile), "--allreduce"],
@@ -144,11 +145,12 @@ def test_sigterm_during_allreduce_stops_every_node(cluster, tmp_path):
         while not any("torch.distributed.run" in argv for _, argv in cluster.processes("node2")):
             assert proc.poll() is None and time.monotonic() < deadline, "torchrun never started on node2"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 143
+        proc.send_signal(stop_signal)  # the process only: its ssh clients are in sessions of their own
+        # SIGTERM: it stops the nodes, waiting up to NODE_STOP_S (10 s) for them.
+        assert proc.wait(timeout=15) == (143 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    # The remote torchruns got SIGHUP from their closed terminals.
+    # Either way each node's stdin ended, and its check_env.py --run-node stopped torchrun.
     assert cluster.wait_until_idle(10) == {}
