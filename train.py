@@ -16,6 +16,7 @@ equal to one that was never stopped (CPU, gloo, the same world size and OMP_NUM_
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -46,7 +47,8 @@ RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
 # What save_checkpoint writes; a file without all of it was not written by this train.py.
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size",
+                   "data"}
 
 
 class UsageError(Exception):
@@ -71,6 +73,14 @@ def positive_int(text):
     return value
 
 
+def nonempty(text):
+    """A path that must not be "": `--checkpoint-dir "$CKPT"` with CKPT unset would otherwise
+    turn checkpoints off without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def positive_float(text):
     value = float(text)
     if not value > 0:
@@ -91,7 +101,8 @@ def parse_args(argv=None):
                    help="mnist: MNIST's four idx files in --data/MNIST/raw, fetched by torchvision "
                         "if missing; synthetic: a generated, learnable set of the same shape "
                         "that needs no download")
-    p.add_argument("--data", default="./data", help="directory that holds (or receives) MNIST")
+    p.add_argument("--data", type=nonempty, default="./data",
+                   help="directory that holds (or receives) MNIST")
     p.add_argument("--no-download", action="store_true",
                    help="never download MNIST; fail with a message if the files are missing")
     p.add_argument("--arch", choices=["resnet18", "cnn"], default="resnet18",
@@ -117,16 +128,19 @@ def parse_args(argv=None):
                         "(gloo trains on the CPU even where there are GPUs)")
     p.add_argument("--timeout", type=positive_int, default=300,
                    help="seconds a collective may wait for a peer before the job fails")
-    p.add_argument("--checkpoint-dir", default=None,
+    p.add_argument("--checkpoint-dir", type=nonempty, default=None,
                    help="save DIR/last.pt there, and resume from it when it exists")
     p.add_argument("--save-every", type=positive_int, default=None,
                    help="also save every N optimizer steps")
     p.add_argument("--log-every", type=positive_int, default=None,
                    help="print a progress line every N optimizer steps, not only per epoch")
-    p.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
+    p.add_argument("--metrics", type=nonempty, default=None,
+                   help="append one JSON line per epoch to this file")
     args = p.parse_args(argv)
     if args.save_every and not args.checkpoint_dir:
         p.error("--save-every needs --checkpoint-dir")
+    if args.arch == "resnet18" and importlib.util.find_spec("torchvision") is None:
+        p.error("--arch resnet18 needs torchvision: pip install torchvision, or use --arch cnn")
     return args
 
 
@@ -341,7 +355,6 @@ def build_data(args, rank, local_rank, device):
     else:
         train_x, train_y, test_x, test_y = load_mnist(args.data, not args.no_download,
                                                        rank, local_rank)
-    check_same_data_everywhere((train_x, train_y, test_x, test_y))
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
     return (train_x.unsqueeze(1).to(device), train_y.to(device),
@@ -364,9 +377,9 @@ def check_same_args_everywhere(args):
 
 
 def check_same_data_everywhere(tensors):
-    """Stop unless every rank holds rank 0's data set. Nodes with different copies of MNIST
-    would train on different samples, and with different sizes take different numbers of
-    steps and hang at the first collective one of them skips."""
+    """Stop unless every rank holds rank 0's data set, and return what identifies it. Nodes
+    with different copies of MNIST would train on different samples, and with different
+    sizes take different numbers of steps and hang at the first collective one skips."""
     crc = 0
     for t in tensors:
         # As bytes, whatever the dtype (numpy has no bfloat16); 8 ms for MNIST.
@@ -378,6 +391,7 @@ def check_same_data_everywhere(tensors):
         error = (f"the data set on {socket.gethostname()} ({mine}) differs from rank 0's on "
                  f"{host0} ({theirs}): give every node the same files")
     stop_together(error)
+    return mine
 
 
 def normalize(images):
@@ -491,7 +505,8 @@ def plain_args(args):
     return json.loads(json.dumps(vars(args), default=str))
 
 
-def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, rank):
+def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, device,
+                    rank):
     """Global rank 0 writes `path` atomically. Every rank must call this: RNG states are
     gathered from all, and a save that fails stops them all."""
     # Fix: the pattern saved nothing, so a crash lost the whole run.
@@ -507,6 +522,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, device, r
             "rng": rng_states,  # one per rank, so dropout and the like also resume exactly
             "args": plain_args(args),
             "world_size": len(rng_states),
+            "data": data_id,  # --data may move; what it holds may not change
         }
         tmp = f"{path}.tmp"
         try:
@@ -548,14 +564,14 @@ def write_atomically(state, path, tmp):
             os.close(fd)
 
 
-def load_checkpoint(path, args, rank, world_size):
+def load_checkpoint(path, args, data_id, rank, world_size):
     """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
     shared filesystem have no last.pt of their own and must still resume with rank 0."""
     checkpoint, error = None, None
     if rank == 0 and os.path.exists(path):
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
-            problem = why_not_resumable(checkpoint, args, world_size)
+            problem = why_not_resumable(checkpoint, args, data_id, world_size)
         except Exception as e:  # truncated, corrupt, malformed: never start over silently
             error = (f"checkpoint {path} is unreadable ({describe(e)}); "
                      "move it away to start over, or restore a good copy")
@@ -565,7 +581,7 @@ def load_checkpoint(path, args, rank, world_size):
     return broadcast_from_rank0(checkpoint)
 
 
-def why_not_resumable(checkpoint, args, world_size):
+def why_not_resumable(checkpoint, args, data_id, world_size):
     """Why this run cannot go on exactly from `checkpoint`, or None."""
     keys = checkpoint.keys() if isinstance(checkpoint, dict) else set()
     missing = sorted(CHECKPOINT_KEYS - keys)
@@ -578,6 +594,8 @@ def why_not_resumable(checkpoint, args, world_size):
                   for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs[k] != mine[k]]
     if checkpoint["world_size"] != world_size:
         mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
+    if checkpoint["data"] != data_id:
+        mismatched.append(f"data {checkpoint['data']} (now {data_id})")
     if mismatched:
         return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
                 "same settings: use them, or another --checkpoint-dir")
@@ -698,7 +716,9 @@ def train(args, rank, local_rank, world_size, device):
     check_same_args_everywhere(args)
     ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
     prepare_outputs(args, ckpt_path, rank)
-    train_x, train_y, test_x, test_y = build_data(args, rank, local_rank, device)
+    data = build_data(args, rank, local_rank, device)
+    data_id = check_same_data_everywhere(data)  # in checkpoints too: resume needs the same data
+    train_x, train_y, test_x, test_y = data
 
     model = build_model(args.arch).to(device)
     # An LR scheduler, if you add one, goes into the checkpoint too, or resume is not exact.
@@ -716,7 +736,7 @@ def train(args, rank, local_rank, world_size, device):
         total_steps = min(total_steps, args.max_steps)
 
     step = 0
-    checkpoint = load_checkpoint(ckpt_path, args, rank, world_size) if ckpt_path else None
+    checkpoint = load_checkpoint(ckpt_path, args, data_id, rank, world_size) if ckpt_path else None
     if checkpoint is not None:
         step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, device, rank)
 
@@ -727,7 +747,7 @@ def train(args, rank, local_rank, world_size, device):
     def save(step):  # every rank calls it: RNG states are gathered from all
         if ckpt_path:
             save_checkpoint(ckpt_path, model, optimizer, scaler, step // steps_per_epoch, step,
-                            args, device, rank)
+                            args, data_id, device, rank)
 
     run_start, run_start_step = time.perf_counter(), step
 
@@ -770,6 +790,7 @@ def train(args, rank, local_rank, world_size, device):
         step = end
         test_loss, test_accuracy, test_samples = evaluate(model, test_x, test_y, args, device,
                                                           rank, world_size)
+        error = None
         if rank == 0:
             partial = done > 0 or stop < steps_per_epoch  # resumed or stopped in mid-epoch
             row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
@@ -781,9 +802,13 @@ def train(args, rank, local_rank, world_size, device):
                 f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
                 f"eta {eta(step)}")
             if args.metrics:
-                with open(args.metrics, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                try:
+                    with open(args.metrics, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                except OSError as e:  # a full disk, say: the line above holds the row
+                    error = f"cannot append to {args.metrics}: {e.strerror}"
         save(step)  # after the metrics row: a crash in between repeats the row, never loses it
+        stop_together(error)  # after the save: the epoch is kept
     return model
 
 
@@ -797,6 +822,12 @@ def main(argv=None):
         let_local_rank_0_speak()
         print_errors([e])
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from each rank
+        if int(os.environ.get("RANK", 0)) == 0:
+            last = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else ""
+            resume = f": the same command resumes from {last}" if os.path.exists(last) else ""
+            print(f"train.py: interrupted{resume}", file=sys.stderr)
+        sys.exit(130)
     finally:
         # Fix: the pattern never destroyed its process group.
         if distributed():

@@ -1,17 +1,19 @@
 """train.py on CPU with gloo: one process, and two or three under torchrun."""
 import contextlib
+import importlib.util
 import os
 import resource
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
+from conftest import HIDDEN_GPUS, REPO, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
@@ -152,10 +154,27 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, cap
     assert "weights_only" not in err  # torch's advice to load it anyway, running its code
     torch.save({"model": {}}, ckpt_dir / "last.pt")  # a dict, but not one train.py wrote
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4")
-    assert code == 1 and "holds no args, epoch, optimizer, rng, scaler, step, world_size, so " in err
+    assert code == 1 and "holds no args, data, epoch, optimizer, rng, scaler, step, world_size, so " in err
     (ckpt_dir / "last.pt").write_bytes(good)
     code, _, err = main_in_process(capfd, *args, "--max-steps", "4", "--seed", "7", "--compile")
     assert code == 1 and "--seed 0 (now 7), --compile False (now True)" in err
+
+
+def test_resume_takes_the_same_data_from_any_path_and_no_other(mnist_dir, tmp_path, capfd):
+    ckpt_dir = tmp_path / "ck"
+    args = [*TINY, "--checkpoint-dir", ckpt_dir, "--max-steps", "2"]
+    assert_ok(run([sys.executable, TRAIN, *args, "--data", mnist_dir]))
+    moved, other = tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(mnist_dir, moved)
+    again = run([sys.executable, TRAIN, *args, "--data", moved])
+    assert_ok(again)
+    assert "nothing to train" in again.stdout  # resumed: it is at step 2 already
+    shutil.copytree(mnist_dir, other)
+    images = other / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-1] + b"\x01")  # one pixel of another copy
+    code, _, err = main_in_process(capfd, *args, "--data", other)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "written by a run with data 512 training and 101 test samples, CRC32 " in err, err
 
 
 def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd):
@@ -182,8 +201,8 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     optimizer = torch.optim.SGD(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, scaler, 0, 2, namespace,
-                          torch.device("cpu"), 0)
-    checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, 0, 1)
+                          "the data", torch.device("cpu"), 0)
+    checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, "the data", 0, 1)
     assert checkpoint["step"] == 2 and checkpoint["args"]["out_dir"] == str(tmp_path)
 
 
@@ -219,7 +238,7 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd
 
     def save(step):
         train.save_checkpoint(str(path), model, optimizer, scaler, 0, step, train.parse_args([]),
-                              torch.device("cpu"), rank=0)
+                              "the data", torch.device("cpu"), rank=0)
     save(1)
     with fill_disk(tmp), pytest.raises(SystemExit) as stopped:
         save(2)
@@ -228,6 +247,33 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd
                                        f"{path} holds the last checkpoint saved, if any\n")
     assert load(path)["step"] == 1
     assert not os.path.lexists(tmp)  # a partial file would take the space that is short
+
+
+def test_a_failed_metrics_write_is_one_line_after_the_epoch_is_saved(mnist_dir, tmp_path):
+    result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--max-steps", "2",
+                  "--checkpoint-dir", tmp_path, "--metrics", "/dev/full"])  # every write fails
+    assert result.returncode == 1
+    assert result.stderr == "train.py: error: cannot append to /dev/full: No space left on device\n"
+    assert "train_loss" in result.stdout  # the row, as a line of the log
+    assert load(tmp_path / "last.pt")["step"] == 2
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--log-every", "1",
+         "--save-every", "1", "--checkpoint-dir", tmp_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # python's own handler
+    try:
+        while "step 1/" not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert err == f"train.py: interrupted: the same command resumes from {tmp_path}/last.pt\n"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
@@ -375,11 +421,12 @@ def test_bad_arguments_under_torchrun_are_one_message_per_node():
 def test_the_data_check_takes_tensors_of_any_dtype():
     images = torch.arange(12, dtype=torch.uint8).view(3, 2, 2)
     labels = torch.tensor([1, 2, 3])
-    # One process, so nothing to differ from: it returns (raising nothing, numpy's TypeError
-    # on bfloat16 included).
-    assert train.check_same_data_everywhere((images, labels, images, labels)) is None
+    # One process, so nothing to differ from: it returns the data's identity (raising
+    # nothing, numpy's TypeError on bfloat16 included).
+    identity = "3 training and 3 test samples, CRC32 "
+    assert train.check_same_data_everywhere((images, labels, images, labels)).startswith(identity)
     assert train.check_same_data_everywhere(
-        (images.bfloat16(), labels, images.float().requires_grad_(), labels)) is None
+        (images.bfloat16(), labels, images.float().requires_grad_(), labels)).startswith(identity)
 
 
 def test_read_idx_reads_what_write_idx_wrote(tmp_path):
@@ -430,11 +477,22 @@ def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, mon
 
 
 @pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"],
-                                 ["--save-every", "5"]])
+                                 ["--save-every", "5"], ["--checkpoint-dir", ""], ["--metrics", ""]])
 def test_bad_arguments_give_one_line_and_exit_2(capfd, bad):
     code, _, err = main_in_process(capfd, *bad)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_resnet18_without_torchvision_is_said_before_any_work(monkeypatch, capfd):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "torchvision" else find_spec(name, *rest))
+    code, _, err = main_in_process(capfd, "--arch", "resnet18", "--dataset", "synthetic")
+    assert code == 2
+    assert err.count("\n") == 1 and err.endswith(
+        ": error: --arch resnet18 needs torchvision: pip install torchvision, or use --arch cnn "
+        "(see --help)\n")  # after the program's name, which here is pytest's
 
 
 def test_help_explains_every_flag(capfd):
