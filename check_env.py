@@ -10,8 +10,8 @@
                                                  ... then time all-reduce across them
   python check_env.py --allreduce --nproc 8      time all-reduce between 8 processes here
 
-Remote hosts are reached with SSH_COMMAND (default "ssh", split on spaces like
-git's GIT_SSH_COMMAND) in BatchMode. The report runs there by streaming this
+Remote hosts are reached with SSH_COMMAND (default "ssh", split on spaces, with
+no quoting) in BatchMode. The report runs there by streaming this
 file to the remote interpreter, so nothing needs to be installed on the hosts.
 --allreduce is the exception: torchrun needs a file, so it needs check_env.py
 at the same absolute path on every host (a shared filesystem or the same image).
@@ -473,7 +473,7 @@ class Host:
 
 def read_hosts(path):
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no part of line 1
     except OSError as exc:
         raise UsageError(f"cannot read hosts file: {exc}") from None
     local_names = this_machine_names()
@@ -485,13 +485,14 @@ def read_hosts(path):
         match = HOST_RE.fullmatch(entry)
         if match is None or (match["port"] and not 0 < int(match["port"]) < 65536):
             raise UsageError(f"{path}:{number}: invalid host {entry!r}; expected [user@]host[:port]")
-        key = (match["name"].lower(), match["port"] or "22")  # hostnames ignore case
-        if key in seen:
-            raise UsageError(f"{path}:{number}: duplicate host {entry!r} (also on line {seen[key]})")
-        seen[key] = number
         # A user or port says "go through ssh", e.g. to a container's sshd on this machine.
-        name = match["name"].lower()
+        name = match["name"].lower()  # hostnames ignore case
         is_local = (name in local_names or name.startswith("127.")) and not match["user"] and not match["port"]
+        key = "this machine" if is_local else (name, match["port"] or "22")  # under any of its names
+        if key in seen:
+            this_machine = "this machine, " if is_local else ""
+            raise UsageError(f"{path}:{number}: duplicate host {entry!r} ({this_machine}also on line {seen[key]})")
+        seen[key] = number
         hosts.append(Host(entry, match["user"], match["name"], match["port"], is_local))
     if not hosts:
         raise UsageError(f"{path}: no hosts listed")

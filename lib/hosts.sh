@@ -30,7 +30,7 @@ require_readable_file() {
 # destinations ([user@]host), ports (may be empty) and local_node ("yes" or
 # empty); dies on a malformed line, a duplicate or an empty file.
 read_hostfile() {
-  local file=$1 line n=0 user host port key own_names=() addresses=()
+  local file=$1 line n=0 user host port key is_local own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
   own_names=(localhost "$(hostname)")
@@ -38,23 +38,28 @@ read_hostfile() {
   own_names+=("${addresses[@]}")
   while IFS= read -r line || [[ -n $line ]]; do
     n=$((n + 1))
+    ((n > 1)) || line=${line#$'\xef\xbb\xbf'} # the byte-order mark some Windows editors write
     line=$(trim "${line%%#*}")
     [[ -n $line ]] || continue
     if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      die "$file:$n: not a [user@]host[:port]: $line"
+      die "$file:$n: not a [user@]host[:port]: $(printf %q "$line")" # %q: shows what is invisible
     fi
     user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
     [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
     key="${host,,}:${port:-22}" # host names are case-insensitive
-    [[ -z ${seen[$key]:-} ]] || die "$file:$n: duplicate host: $line"
-    seen[$key]=1
+    is_local=''
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
+      is_local=yes
+      key=this-machine # under any of its names: two nodes would share its GPUs
+    fi
+    if [[ -n ${seen[$key]:-} ]]; then
+      die "$file:$n: duplicate host: $line (${is_local:+this machine, }also on line ${seen[$key]})"
+    fi
+    seen[$key]=$n
     labels+=("$line")
     destinations+=("${user:+$user@}$host")
     ports+=("$port")
-    local_node+=("")
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
-      local_node[-1]=yes
-    fi
+    local_node+=("$is_local")
   done <"$file"
   ((${#labels[@]})) || die "$file: no hosts"
 }

@@ -366,8 +366,8 @@ def test_json_output_has_reports_and_problems(monkeypatch, capsys, tmp_path):
 
 def test_read_hosts_accepts_the_documented_format(tmp_path):
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text(
-        "# the first host serves the rendezvous\nlocalhost\n\n  gpu-01.example.org  # comment\nme@10.0.0.2:2222\n"
+    hostfile.write_text(  # after a byte-order mark, as some Windows editors write
+        "\ufeff# the first host serves the rendezvous\nlocalhost\n\n  gpu-01.example.org  # comment\nme@10.0.0.2:2222\n"
     )
     hosts = check_env.read_hosts(hostfile)
     assert [(h.entry, h.user, h.name, h.port, h.is_local) for h in hosts] == [
@@ -386,6 +386,7 @@ def test_read_hosts_accepts_the_documented_format(tmp_path):
         ("-oProxyCommand=sh\n", "invalid host '-oProxyCommand=sh'"),
         ("node1:99999\n", "invalid host 'node1:99999'"),
         ("node1\nNODE1\n", "duplicate host 'NODE1' (also on line 1)"),
+        ("localhost\n127.0.0.1\n", "duplicate host '127.0.0.1' (this machine, also on line 1)"),
         ("# only a comment\n\n", "no hosts listed"),
     ],
 )

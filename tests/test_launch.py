@@ -375,17 +375,18 @@ def test_a_pyenv_shim_is_resolved_to_the_torchrun_it_stands_for(tmp_path, start)
     assert f"&& '{real}' '--nnodes=1'" in launch.out, launch.out
 
 
-def test_own_name_and_loopback_run_locally(tmp_path, start):
+@pytest.mark.parametrize("name", [socket.gethostname(), "127.0.0.1", "\ufefflocalhost"],
+                         ids=["own_name", "loopback", "after_a_byte_order_mark"])
+def test_own_name_and_loopback_run_locally(tmp_path, start, name):
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text(f"{socket.gethostname()}\n127.0.0.1\n")
+    hostfile.write_text(f"{name}\n")
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
         start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_command), timeout=30
     )
     assert launch.proc.returncode == 0, launch.err
     lines = launch.out.splitlines()
-    assert lines[1].startswith(f"{socket.gethostname()} (local): ")
-    assert lines[2].startswith("127.0.0.1 (local): ")
+    assert lines[1].startswith(f"{name.lstrip(chr(0xFEFF))} (local): ")
     assert "'--rdzv-endpoint=127.0.0.1:" in lines[1]
     assert not ssh_called.exists()
 
@@ -405,6 +406,8 @@ def test_own_name_and_loopback_run_locally(tmp_path, start):
         ("node1:0\n", "2", "bad port"),
         ("node1:70000\n", "2", "bad port"),
         ("node1\nnode2\nnode1:22\n", "2", "duplicate host"),
+        ("localhost\n127.0.0.1\n", "2", "duplicate host: 127.0.0.1 (this machine, also on line 1)"),
+        ("local\thost\n", "2", "not a [user@]host[:port]: $'local\\thost'"),  # what is invisible
         ("localhost\n", "0", "positive integer"),
         ("localhost\n", "-1", "positive integer"),
         ("localhost\n", "two", "positive integer"),
