@@ -387,7 +387,7 @@ print_dry_run() {
 prefix_lines() {
   local line
   while IFS= read -r line || [[ -n $line ]]; do
-    printf '%s: %s\n' "$1" "$line"
+    printf '%s: %s\n' "$1" "$line" 2>/dev/null || true # on, whatever the disk: the log has it
   done
 }
 
@@ -428,7 +428,11 @@ run_host() {
   # catches a terminal's Ctrl-C even where it is ignored, and passes it to its
   # workers, each of which would print a KeyboardInterrupt traceback.
   if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
+  # The host's status is its command's, not tee's: a full disk under the logs
+  # must not fail a job that ran (tee says so, and goes on).
+  set +o pipefail
   "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
+  return "${PIPESTATUS[0]}"
 }
 
 # Starts every host, each with its stdin held open by this script only:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import HIDDEN_GPUS, REPO, load, skip_or_fail
+from conftest import HIDDEN_GPUS, REPO, load, run, skip_or_fail
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
@@ -513,6 +513,17 @@ def test_localhost_runs_without_ssh(tmp_path, start):
     assert not ssh_called.exists()
     assert (tmp_path / "logs" / launch.job_id() / "localhost.log").read_text()
     assert not job_processes(launch)
+
+
+def test_a_full_disk_under_its_output_fails_no_host(tmp_path):
+    # Every write to launch.sh's stdout fails (ENOSPC), as with `> out.log` on a full disk.
+    result = run(["bash", "-c", 'exec "$0" "$@" >/dev/full', LAUNCH, "--log-dir", tmp_path / "logs",
+                  "hosts.txt", "1", *TRAIN, "--epochs", "1", "--max-steps", "2"],
+                 env=launch_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^  localhost +0 ", result.stderr, re.M), result.stderr
+    job_id = re.search(r"^launch.sh: job (\S+),", result.stderr, re.M).group(1)
+    assert "train_loss" in (tmp_path / "logs" / job_id / "localhost.log").read_text()  # to the end
 
 
 @pytest.mark.parametrize("hosts", [["localhost", "node1"], ["node1", "localhost"]])
