@@ -474,8 +474,8 @@ class Host:
 def read_hosts(path):
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no part of line 1
-    except OSError as exc:
-        raise UsageError(f"cannot read hosts file: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read hosts file {path}: {exc}") from None
     local_names = this_machine_names()
     hosts, seen = [], {}
     for number, raw in enumerate(text.splitlines(), 1):
@@ -510,7 +510,9 @@ def host_command(host, argv):
     if host.is_local:
         return argv
     ssh = os.environ.get("SSH_COMMAND", "ssh").split()
-    options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
+    # -T: no terminal, even where ~/.ssh/config forces one: the report streams through
+    # stdin, and a node stops when stdin ends, which a terminal never says.
+    options = ["-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
     if host.port:
         options += ["-p", host.port]
     forwarded = [f"{k}={v}" for k, v in sorted(os.environ.items()) if FORWARDED.fullmatch(k)]
@@ -788,23 +790,33 @@ def kill_group(proc, sig):
 
 def run_node(argv):
     """--run-node: run argv (torchrun) until it ends or stdin closes, which happens when
-    run_nodes stops the node or is gone, killed even; then stop argv. Its status is the
-    node's. (Not SIGHUP from a terminal, through `ssh -tt`: that missed a node now and
-    then, and never came when this script was killed, as its ssh clients live on.)"""
+    run_nodes stops the node or is gone, killed even; then stop argv, as on a SIGTERM,
+    SIGHUP or SIGINT. Its status is the node's. (Not SIGHUP from a terminal, through
+    `ssh -tt`: that missed a node now and then, and never came when this script was
+    killed, as its ssh clients live on.)"""
+    stop = threading.Event()  # set before torchrun starts even, it stops torchrun at once
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    threading.Thread(target=set_at_end_of_stdin, args=(stop,), daemon=True).start()
     # stderr into stdout here: ssh carries stderr apart, and lines of the two would
     # arrive cut and out of order.
     torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    threading.Thread(target=stop_at_end_of_stdin, args=(torchrun,), daemon=True).start()
+    threading.Thread(target=stop_torchrun_once_set, args=(stop, torchrun), daemon=True).start()
     status = torchrun.wait()
     return 128 - status if status < 0 else status  # as a shell tells a signal
 
 
-def stop_at_end_of_stdin(torchrun):
-    """SIGTERM torchrun's group when stdin ends; SIGKILL it after TORCHRUN_STOP_S. torchrun
-    passes SIGTERM on to its workers, in sessions of their own; they end by themselves
-    if it is killed (exit_when_orphaned)."""
+def set_at_end_of_stdin(event):
     while os.read(0, 4096):  # not sys.stdin, whose lock this daemon thread would hold at exit
         pass
+    event.set()
+
+
+def stop_torchrun_once_set(event, torchrun):
+    """SIGTERM torchrun's group once event is set; SIGKILL it after TORCHRUN_STOP_S.
+    torchrun passes SIGTERM on to its workers, in sessions of their own; they end by
+    themselves if it is killed (exit_when_orphaned)."""
+    event.wait()
     kill_group(torchrun, signal.SIGTERM)
     try:
         torchrun.wait(timeout=TORCHRUN_STOP_S)

@@ -384,10 +384,13 @@ print_dry_run() {
   done
 }
 
+# Reads on whatever becomes of its output (a full disk, a reader gone as with
+# `| head`): the job must not die of it, and the log has every line.
 prefix_lines() {
   local line
+  trap '' PIPE
   while IFS= read -r line || [[ -n $line ]]; do
-    printf '%s: %s\n' "$1" "$line" 2>/dev/null || true # on, whatever the disk: the log has it
+    printf '%s: %s\n' "$1" "$line" 2>/dev/null || true
   done
 }
 
@@ -621,7 +624,7 @@ main() {
   mkdir -p "$log_dir"
   start_hosts
   wait_for_hosts
-  print_summary
+  print_summary || true # a full disk under stderr loses the summary, not the exit status
   if [[ -n $signal_status ]]; then exit "$signal_status"; fi
   if [[ -n $first_failure ]]; then exit 1; fi
 }

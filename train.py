@@ -47,8 +47,7 @@ RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
 # What save_checkpoint writes; a file without all of it was not written by this train.py.
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size",
-                   "data"}
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 
 
 class UsageError(Exception):
@@ -594,8 +593,9 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
                   for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs[k] != mine[k]]
     if checkpoint["world_size"] != world_size:
         mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
-    if checkpoint["data"] != data_id:
-        mismatched.append(f"data {checkpoint['data']} (now {data_id})")
+    their_data = checkpoint.get("data", "(absent)")  # (absent): written before train.py kept it
+    if their_data != data_id:
+        mismatched.append(f"data {their_data} (now {data_id})")
     if mismatched:
         return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
                 "same settings: use them, or another --checkpoint-dir")
@@ -805,10 +805,11 @@ def train(args, rank, local_rank, world_size, device):
                 try:
                     with open(args.metrics, "a") as f:
                         f.write(json.dumps(row) + "\n")
-                except OSError as e:  # a full disk, say: the line above holds the row
-                    error = f"cannot append to {args.metrics}: {e.strerror}"
+                except OSError as e:  # a full disk, say
+                    error = (f"cannot append to {args.metrics}: {e.strerror}; "
+                             f"the row: {json.dumps(row)}")
         save(step)  # after the metrics row: a crash in between repeats the row, never loses it
-        stop_together(error)  # after the save: the epoch is kept
+        stop_together(error)  # after the save, so the epoch is kept; the error holds its row
     return model
 
 

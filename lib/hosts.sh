@@ -33,22 +33,23 @@ read_hostfile() {
   local file=$1 line n=0 user host port key is_local own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
-  own_names=(localhost "$(hostname)")
+  own_names=(localhost "$(hostname)" "$(hostname -f 2>/dev/null || true)")
   read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
   own_names+=("${addresses[@]}")
+  own_names=("${own_names[@],,}") # host names are case-insensitive
   while IFS= read -r line || [[ -n $line ]]; do
     n=$((n + 1))
     ((n > 1)) || line=${line#$'\xef\xbb\xbf'} # the byte-order mark some Windows editors write
     line=$(trim "${line%%#*}")
     [[ -n $line ]] || continue
     if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      die "$file:$n: not a [user@]host[:port]: $(printf %q "$line")" # %q: shows what is invisible
+      die "$file:$n: not a [user@]host[:port]: $(LC_ALL=C printf %q "$line")" # shows what is invisible
     fi
     user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
     [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
     key="${host,,}:${port:-22}" # host names are case-insensitive
     is_local=''
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $host "* || $host == 127.* ]]; then
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" ${host,,} "* || $host == 127.* ]]; then
       is_local=yes
       key=this-machine # under any of its names: two nodes would share its GPUs
     fi

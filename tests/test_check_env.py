@@ -387,6 +387,7 @@ def test_read_hosts_accepts_the_documented_format(tmp_path):
         ("node1:99999\n", "invalid host 'node1:99999'"),
         ("node1\nNODE1\n", "duplicate host 'NODE1' (also on line 1)"),
         ("localhost\n127.0.0.1\n", "duplicate host '127.0.0.1' (this machine, also on line 1)"),
+        ("localhost\nLOCALHOST\n", "duplicate host 'LOCALHOST' (this machine, also on line 1)"),
         ("# only a comment\n\n", "no hosts listed"),
     ],
 )
@@ -399,9 +400,15 @@ def test_bad_hosts_file_is_one_line_and_exit_2_before_anything_runs(monkeypatch,
     assert message in err and err.count("\n") == 1
 
 
-def test_missing_hosts_file_is_exit_2(capsys, tmp_path):
+def test_missing_or_undecodable_hosts_file_is_exit_2(capsys, tmp_path):
     assert check_env.main(["--hosts", str(tmp_path / "nope.txt")]) == 2
     assert "cannot read hosts file" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("h\xe9te\n".encode("latin-1"))  # not UTF-8
+    assert check_env.main(["--hosts", str(latin1)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read hosts file {latin1}: 'utf-8' codec can't decode byte 0xe9" in err
+    assert err.count("\n") == 1
 
 
 def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypatch):
@@ -409,7 +416,7 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     host = check_env.Host("me@node2:2222", "me", "node2", "2222", False)
     argv = check_env.host_command(host, ["/opt/my python/bin/python", "-", "--json"])
     assert argv == [
-        "ssh", "-F", "./cluster_ssh_config", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+        "ssh", "-F", "./cluster_ssh_config", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
         "-p", "2222", "--", "me@node2", "exec '/opt/my python/bin/python' - --json",
     ]  # fmt: skip
     local = check_env.Host("localhost", None, "localhost", None, True)
@@ -449,16 +456,22 @@ def node(*argv):
     return [sys.executable, str(REPO / "check_env.py"), "--run-node", *argv]
 
 
-def test_run_nodes_stops_the_others_when_one_fails():
+def test_run_nodes_stops_the_others_when_one_fails(tmp_path):
     local = check_env.Host("localhost", None, "localhost", None, True)
+    pid_file = tmp_path / "sleep.pid"
     start = time.monotonic()
     outputs, failed, hung = check_env.run_nodes(
-        [local, local], [node("sh", "-c", "sleep 60 & echo $!; wait"), node("sh", "-c", "echo boom >&2; exit 3")]
+        [local, local],
+        [
+            node("sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"),
+            # Fails once the other node has started its sleep.
+            node("sh", "-c", f"while [ ! -s {pid_file} ]; do sleep 0.1; done; echo boom >&2; exit 3"),
+        ],
     )
     assert failed == 1 and not hung and outputs[1] == "boom\n"  # stderr too
     assert time.monotonic() - start < 10
     # The whole group goes, not only its leader: the background sleep too.
-    assert not is_running(int(outputs[0]))
+    assert not is_running(int(pid_file.read_text()))
 
 
 def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
@@ -470,14 +483,18 @@ def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
     assert time.monotonic() - start < 10
 
 
-def test_a_node_whose_stdin_ends_kills_what_ignores_sigterm_after_5_s():
+@pytest.mark.parametrize("stop", ["end_of_stdin", "SIGTERM"])
+def test_a_stopped_node_kills_what_ignores_sigterm_after_5_s(stop):
     proc = subprocess.Popen(
         node("sh", "-c", "trap '' TERM; sleep 60 & echo $!; wait"), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
         sleep_pid = int(proc.stdout.readline())
         start = time.monotonic()
-        proc.stdin.close()  # as when check_env.py, or the ssh between, is killed
+        if stop == "end_of_stdin":
+            proc.stdin.close()  # as when check_env.py, or the ssh between, is killed
+        else:
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 128 + signal.SIGKILL
         assert 4 < time.monotonic() - start < 10
         assert not is_running(sleep_pid)
@@ -493,7 +510,7 @@ def test_a_worker_ends_when_torchrun_its_parent_is_gone():
         "check_env.exit_when_orphaned(os.getppid())"
     )
     parent = subprocess.run(
-        ["sh", "-c", f'"$0" -c "$1" & echo $!; sleep 2', sys.executable, watch],
+        ["sh", "-c", f'"$0" -c "$1" >/dev/null 2>&1 & echo $!; sleep 2', sys.executable, watch],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     child = int(parent.stdout)

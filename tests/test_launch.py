@@ -409,7 +409,8 @@ def test_own_name_and_loopback_run_locally(tmp_path, start, name):
         ("node1:70000\n", "2", "bad port"),
         ("node1\nnode2\nnode1:22\n", "2", "duplicate host"),
         ("localhost\n127.0.0.1\n", "2", "duplicate host: 127.0.0.1 (this machine, also on line 1)"),
-        ("local\thost\n", "2", "not a [user@]host[:port]: $'local\\thost'"),  # what is invisible
+        ("localhost\nLOCALHOST\n", "2", "duplicate host: LOCALHOST (this machine, also on line 1)"),
+        ("local\u00a0host\n", "2", "not a [user@]host[:port]: $'local\\302\\240host'"),  # pasted
         ("localhost\n", "0", "positive integer"),
         ("localhost\n", "-1", "positive integer"),
         ("localhost\n", "two", "positive integer"),
@@ -517,15 +518,16 @@ def test_localhost_runs_without_ssh(tmp_path, start):
     assert not job_processes(launch)
 
 
-def test_a_full_disk_under_its_output_fails_no_host(tmp_path):
-    # Every write to launch.sh's stdout fails (ENOSPC), as with `> out.log` on a full disk.
-    result = run(["bash", "-c", 'exec "$0" "$@" >/dev/full', LAUNCH, "--log-dir", tmp_path / "logs",
-                  "hosts.txt", "1", *TRAIN, "--epochs", "1", "--max-steps", "2"],
-                 env=launch_env(), cwd=REPO)
+@pytest.mark.parametrize("redirect", [">/dev/full", ">/dev/full 2>&1", "| head -c 0"],
+                         ids=["stdout_full", "both_full", "reader_gone"])
+def test_its_output_lost_fails_no_host(tmp_path, redirect):
+    """As with `> out.log 2>&1` on a full disk (every write fails, ENOSPC), or `| head`."""
+    result = run(["bash", "-c", f'"$0" "$@" {redirect}; exit "${{PIPESTATUS[0]}}"', LAUNCH,
+                  "--log-dir", tmp_path / "logs", "hosts.txt", "1", *TRAIN, "--epochs", "1",
+                  "--max-steps", "2"], env=launch_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^  localhost +0 ", result.stderr, re.M), result.stderr
-    job_id = re.search(r"^launch.sh: job (\S+),", result.stderr, re.M).group(1)
-    assert "train_loss" in (tmp_path / "logs" / job_id / "localhost.log").read_text()  # to the end
+    [log] = (tmp_path / "logs").glob("*/localhost.log")
+    assert "train_loss" in log.read_text()  # it trained to the end, and the log has every line
 
 
 @pytest.mark.parametrize("hosts", [["localhost", "node1"], ["node1", "localhost"]])
