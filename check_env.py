@@ -794,14 +794,14 @@ def run_node(argv):
     SIGHUP or SIGINT. Its status is the node's. (Not SIGHUP from a terminal, through
     `ssh -tt`: that missed a node now and then, and never came when this script was
     killed, as its ssh clients live on.)"""
-    stop = threading.Event()  # set before torchrun starts even, it stops torchrun at once
+    stopping = threading.Event()  # set before torchrun starts even, it stops torchrun at once
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    threading.Thread(target=set_at_end_of_stdin, args=(stop,), daemon=True).start()
+        signal.signal(signum, lambda *_: stopping.set())
+    threading.Thread(target=set_at_end_of_stdin, args=(stopping,), daemon=True).start()
     # stderr into stdout here: ssh carries stderr apart, and lines of the two would
     # arrive cut and out of order.
     torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    threading.Thread(target=stop_torchrun_once_set, args=(stop, torchrun), daemon=True).start()
+    threading.Thread(target=stop_torchrun_once_set, args=(stopping, torchrun), daemon=True).start()
     status = torchrun.wait()
     return 128 - status if status < 0 else status  # as a shell tells a signal
 
