@@ -774,11 +774,16 @@ def stop(procs):
         proc.stdin.close()
     deadline = time.monotonic() + NODE_STOP_S
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_group(proc, signal.SIGKILL)
-            proc.wait()
+        wait_or_kill_group(proc, max(0, deadline - time.monotonic()))
+
+
+def wait_or_kill_group(proc, timeout):
+    """Wait up to timeout seconds for proc to end, then SIGKILL its process group."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
 
 
 def kill_group(proc, sig):
@@ -818,10 +823,7 @@ def stop_torchrun_once_set(event, torchrun):
     themselves if it is killed (exit_when_orphaned)."""
     event.wait()
     kill_group(torchrun, signal.SIGTERM)
-    try:
-        torchrun.wait(timeout=TORCHRUN_STOP_S)
-    except subprocess.TimeoutExpired:
-        kill_group(torchrun, signal.SIGKILL)
+    wait_or_kill_group(torchrun, TORCHRUN_STOP_S)
 
 
 def explain_node_failure(hosts, failed, outputs, endpoint):

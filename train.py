@@ -477,6 +477,10 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def checkpoint_path(args):
+    return os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
+
+
 def prepare_outputs(args, ckpt_path, rank):
     """Rank 0 creates the checkpoint directory and the metrics file now, so that a path it
     cannot write stops the run at start-up instead of after the first epoch."""
@@ -714,7 +718,7 @@ def train(args, rank, local_rank, world_size, device):
         log(f"torchrun on {socket.gethostname()} restarted its workers after failures there: "
             f"{restarts} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts used")
     check_same_args_everywhere(args)
-    ckpt_path = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
+    ckpt_path = checkpoint_path(args)
     prepare_outputs(args, ckpt_path, rank)
     data = build_data(args, rank, local_rank, device)
     data_id = check_same_data_everywhere(data)  # in checkpoints too: resume needs the same data
@@ -802,12 +806,12 @@ def train(args, rank, local_rank, world_size, device):
                 f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
                 f"eta {eta(step)}")
             if args.metrics:
+                line = json.dumps(row)
                 try:
                     with open(args.metrics, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                        f.write(line + "\n")
                 except OSError as e:  # a full disk, say
-                    error = (f"cannot append to {args.metrics}: {e.strerror}; "
-                             f"the row: {json.dumps(row)}")
+                    error = f"cannot append to {args.metrics}: {e.strerror}; the row: {line}"
         save(step)  # after the metrics row: a crash in between repeats the row, never loses it
         stop_together(error)  # after the save, so the epoch is kept; the error holds its row
     return model
@@ -825,8 +829,9 @@ def main(argv=None):
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from each rank
         if int(os.environ.get("RANK", 0)) == 0:
-            last = os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else ""
-            resume = f": the same command resumes from {last}" if os.path.exists(last) else ""
+            last = checkpoint_path(args)
+            resume = (f": the same command resumes from {last}"
+                      if last and os.path.exists(last) else "")
             print(f"train.py: interrupted{resume}", file=sys.stderr)
         sys.exit(130)
     finally:

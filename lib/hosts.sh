@@ -30,13 +30,13 @@ require_readable_file() {
 # destinations ([user@]host), ports (may be empty) and local_node ("yes" or
 # empty); dies on a malformed line, a duplicate or an empty file.
 read_hostfile() {
-  local file=$1 line n=0 user host port key is_local own_names=() addresses=()
+  local file=$1 line n=0 user host name port key is_local own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
   own_names=(localhost "$(hostname)" "$(hostname -f 2>/dev/null || true)")
   read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
   own_names+=("${addresses[@]}")
-  own_names=("${own_names[@],,}") # host names are case-insensitive
+  own_names=("${own_names[@],,}")
   while IFS= read -r line || [[ -n $line ]]; do
     n=$((n + 1))
     ((n > 1)) || line=${line#$'\xef\xbb\xbf'} # the byte-order mark some Windows editors write
@@ -47,9 +47,10 @@ read_hostfile() {
     fi
     user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
     [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
-    key="${host,,}:${port:-22}" # host names are case-insensitive
+    name=${host,,} # host names are case-insensitive
+    key="$name:${port:-22}"
     is_local=''
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" ${host,,} "* || $host == 127.* ]]; then
+    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $name "* || $host == 127.* ]]; then
       is_local=yes
       key=this-machine # under any of its names: two nodes would share its GPUs
     fi

@@ -266,7 +266,8 @@ def test_a_failed_metrics_write_is_one_line_after_the_epoch_is_saved(mnist_dir, 
 def test_ctrl_c_is_one_line_and_status_130(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--log-every", "1",
-         "--save-every", "1", "--checkpoint-dir", tmp_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--save-every", "1", "--checkpoint-dir", tmp_path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # python's own handler
     try:
