@@ -413,6 +413,8 @@ def test_missing_or_undecodable_hosts_file_is_exit_2(capsys, tmp_path):
 
 def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypatch):
     monkeypatch.setenv("SSH_COMMAND", "ssh -F ./cluster_ssh_config")
+    for name in filter(check_env.FORWARDED.fullmatch, list(os.environ)):
+        monkeypatch.delenv(name)  # forwarded, as `env NAME=VALUE`: set by whoever runs pytest
     host = check_env.Host("me@node2:2222", "me", "node2", "2222", False)
     argv = check_env.host_command(host, ["/opt/my python/bin/python", "-", "--json"])
     assert argv == [
