@@ -70,6 +70,10 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # this script for gone, as when its stdin closes: a network cut off without
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
+# This script counts time in polls, each a read -t of POLL_SECONDS, whose
+# wait runs on a clock that NTP does not step. Bash 5's SECONDS follows the
+# wall clock: stepped back, it would hold the heartbeat back as long.
+readonly POLL_SECONDS=0.2 POLLS_PER_SECOND=5
 readonly MAX_ENV_BYTES=4096 # what any pipe holds: at least a page on Linux, 8 KiB on macOS
 # SCRIPT's arguments reach each host quoted and base64-encoded, in the one
 # argument of its login shell's -c, which Linux caps at 128 KiB.
@@ -124,7 +128,7 @@ check_node() {
 # its workers in sessions of their own). ADDRESS is where the other hosts
 # reach this one.
 run_node() {
-  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader status signal parent
+  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader silent status signal parent
   shift 4
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
@@ -174,9 +178,20 @@ run_node() {
   torchrun_pid=$!
   # The reader ends when stdin closes or stays silent, and then this shell
   # stops the job; if this shell is gone (a kill -9), the reader does. It holds
-  # no output, which would keep ssh's channel, and launch.sh, waiting.
+  # no output, which would keep ssh's channel, and launch.sh, waiting. Silence
+  # is counted in reads of 1 s: bash 5 checks read -t's deadline on the wall
+  # clock, and a step forward past it would end a longer read as it got a NUL.
   {
-    while IFS= read -r -d '' -t "$silence" _; do :; done
+    silent=0
+    while ((silent < silence)); do
+      if IFS= read -r -t 1 -d '' _; then
+        silent=0
+      elif (($? > 128)); then # timed out
+        silent=$((silent + 1))
+      else
+        break # closed
+      fi
+    done
     read -r _ _ _ parent _ <"/proc/$BASHPID/stat"
     if ((parent != $$)); then stop_job; fi
   } <&0 >/dev/null 2>&1 & # (without <&0: /dev/null)
@@ -241,17 +256,17 @@ collect_env() {
     || die "the variables for the hosts (forwarded and --env-file) take $size bytes; at most $MAX_ENV_BYTES fit"
 }
 
-# Sleeps $1 seconds in this shell. The program sleep would put this script's
-# traps off until it ended, and hold the hosts' pipes open meanwhile.
-pause() {
-  read -r -t "$1" -u "$idle_fd" _ || true # nothing ever writes to it
+# Sleeps POLL_SECONDS in this shell. The program sleep would put this
+# script's traps off until it ended, and hold the hosts' pipes open meanwhile.
+poll_pause() {
+  read -r -t "$POLL_SECONDS" -u "$idle_fd" _ || true # nothing ever writes to it
 }
 
 # Runs check_node on every host in parallel, each into $tmp/preflight.N. Cuts
 # off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
 # in timed_out.
 run_checks() {
-  local i node_port pid deadline=$((SECONDS + PREFLIGHT_SECONDS))
+  local i node_port pid polls_left=$((PREFLIGHT_SECONDS * POLLS_PER_SECOND))
   local -A pending=() # pid -> host number
   for i in "${!labels[@]}"; do
     node_port=-
@@ -266,8 +281,8 @@ run_checks() {
     for pid in "${!pending[@]}"; do
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
     done
-    if ((${#pending[@]} == 0 || SECONDS > deadline)); then break; fi
-    pause 0.1
+    if ((${#pending[@]} == 0 || polls_left-- == 0)); then break; fi
+    poll_pause
   done
   if ((${#pending[@]})); then
     for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done
@@ -455,7 +470,6 @@ start_hosts() {
     printf '%s\0' "${env_entries[@]}" '' >&"${write_fds[i]}"
     run_host "$i" & # wait_for_hosts gets the status of its whole pipeline by this pid
     running[$!]=$i
-    started[i]=$SECONDS
     fd=${read_fds[i]}
     exec {fd}<&-
     unset "read_fds[i]"
@@ -493,13 +507,10 @@ on_signal() {
 # than `wait -n -p`, which needs bash 5.1 (RHEL 8 has 4.4): `wait PID` still
 # gives the status of a process that is gone.
 wait_for_hosts() {
-  local pid i status heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
+  local pid i status polls=0
   while ((${#running[@]})); do
-    pause 0.2
-    if ((SECONDS >= heartbeat_due)); then
-      send_heartbeat
-      heartbeat_due=$((SECONDS + HEARTBEAT_SECONDS))
-    fi
+    poll_pause
+    if ((++polls % (HEARTBEAT_SECONDS * POLLS_PER_SECOND) == 0)); then send_heartbeat; fi
     for pid in "${!running[@]}"; do
       if kill -0 "$pid" 2>/dev/null; then continue; fi
       status=0
@@ -508,7 +519,7 @@ wait_for_hosts() {
       unset "running[$pid]"
       close_stdin "$i"
       statuses[i]=$status
-      durations[i]=$((SECONDS - started[i]))
+      durations[i]=$((polls / POLLS_PER_SECOND))
       if [[ -n $stopping ]]; then stopped[i]=yes; fi
       if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
         first_failure=$i
@@ -555,7 +566,7 @@ main() {
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() size job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
-  local ssh_command=() write_fds=() read_fds=() started=() statuses=() durations=() stopped=()
+  local ssh_command=() write_fds=() read_fds=() statuses=() durations=() stopped=()
   local stopping='' first_failure='' signal_status='' label_width
   local -A running=()
 
@@ -613,7 +624,7 @@ main() {
   # trap would run it too, and remove $tmp under this one.
   trap 'if ((BASHPID == $$)); then rm -rf "$tmp"; fi' EXIT
   mkfifo "$tmp/idle"
-  exec {idle_fd}<>"$tmp/idle" # for pause
+  exec {idle_fd}<>"$tmp/idle" # for poll_pause
   preflight
   if [[ -n $dry_run ]]; then
     print_dry_run

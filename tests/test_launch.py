@@ -652,6 +652,42 @@ def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
         assert launch.err == f"launch.sh: {tmp_path}: is a directory\n"
 
 
+def faked_wall_clock(offset_file):
+    """Environment under which a program's wall clock runs ahead by the seconds written in
+    offset_file, at any time (libfaketime); its monotonic clock stays true, as NTP leaves it."""
+    library = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
+    if library is None:
+        skip_or_fail("libfaketime not installed (apt-get install faketime)")
+    offset_file.write_text("+0\n")
+    return {"LD_PRELOAD": str(library), "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+            "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}
+
+
+def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
+    """NTP may step the wall clock as a job runs: here back (bash's SECONDS with it), and
+    forward on a host (where bash's read -t checks its deadline)."""
+    here, there = tmp_path / "offset-here", tmp_path / "offset-node1"
+    bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
+    bashrc.write_text("".join(f"export {k}={v}\n" for k, v in faked_wall_clock(there).items()))
+    try:
+        launch = start(["--log-dir", tmp_path / "logs",
+                        "--torchrun", stand_in_torchrun(tmp_path, "echo started\nexec sleep 600"),
+                        cluster.write_hostfile(tmp_path / "hosts.txt", ["node1"]), "1", *TRAIN],
+                       launch_env(cluster, **faked_wall_clock(here)))
+        launch.wait_for_output(r"^node1: started$", timeout=30)
+        here.write_text("-120\n")
+        there.write_text("+120\n")
+        deadline = time.monotonic() + 30 + 8  # launch.sh's SILENCE_SECONDS, and a heartbeat
+        while time.monotonic() < deadline:
+            assert launch.proc.poll() is None, launch.out + launch.err
+            time.sleep(0.5)
+    finally:
+        bashrc.unlink()
+    os.kill(launch.pid, signal.SIGTERM)
+    assert launch.wait(15) == 143, launch.err
+    assert_nothing_left(cluster, launch)
+
+
 @pytest.mark.parametrize("cut", ["reset", "silent"])
 def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
     """node2's SSH connection dies, with a reset (its sshd killed) or silently (its link
