@@ -70,9 +70,9 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # this script for gone, as when its stdin closes: a network cut off without
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
-# This script counts time in polls, each a read -t of POLL_SECONDS, whose
-# wait runs on a clock that NTP does not step. Bash 5's SECONDS follows the
-# wall clock: stepped back, it would hold the heartbeat back as long.
+# This script also counts time in polls, each a read -t of POLL_SECONDS,
+# whose length no step of the wall clock changes. Bash's SECONDS follows the
+# wall clock: stepped back by NTP, it would hold the heartbeat back as long.
 readonly POLL_SECONDS=0.2 POLLS_PER_SECOND=5
 readonly MAX_ENV_BYTES=4096 # what any pipe holds: at least a page on Linux, 8 KiB on macOS
 # SCRIPT's arguments reach each host quoted and base64-encoded, in the one
@@ -179,8 +179,9 @@ run_node() {
   # The reader ends when stdin closes or stays silent, and then this shell
   # stops the job; if this shell is gone (a kill -9), the reader does. It holds
   # no output, which would keep ssh's channel, and launch.sh, waiting. Silence
-  # is counted in reads of 1 s: bash 5 checks read -t's deadline on the wall
-  # clock, and a step forward past it would end a longer read as it got a NUL.
+  # is counted in reads of 1 s: from bash 5.2, read -t checks its deadline on
+  # the wall clock as each byte arrives, and a step forward past a longer one
+  # would end the read as a heartbeat came in.
   {
     silent=0
     while ((silent < silence)); do
@@ -470,6 +471,7 @@ start_hosts() {
     printf '%s\0' "${env_entries[@]}" '' >&"${write_fds[i]}"
     run_host "$i" & # wait_for_hosts gets the status of its whole pipeline by this pid
     running[$!]=$i
+    started[i]=$SECONDS
     fd=${read_fds[i]}
     exec {fd}<&-
     unset "read_fds[i]"
@@ -507,10 +509,17 @@ on_signal() {
 # than `wait -n -p`, which needs bash 5.1 (RHEL 8 has 4.4): `wait PID` still
 # gives the status of a process that is gone.
 wait_for_hosts() {
-  local pid i status polls=0
+  local pid i status polls=0 heartbeat_polls=0 heartbeat_seconds=$SECONDS
   while ((${#running[@]})); do
     poll_pause
-    if ((++polls % (HEARTBEAT_SECONDS * POLLS_PER_SECOND) == 0)); then send_heartbeat; fi
+    polls=$((polls + 1))
+    # Due by either count: the polls hold when the wall clock steps back,
+    # SECONDS when this script was stopped (Ctrl-Z) and polled nothing.
+    if ((polls - heartbeat_polls >= HEARTBEAT_SECONDS * POLLS_PER_SECOND
+      || SECONDS - heartbeat_seconds >= HEARTBEAT_SECONDS)); then
+      send_heartbeat
+      heartbeat_polls=$polls heartbeat_seconds=$SECONDS
+    fi
     for pid in "${!running[@]}"; do
       if kill -0 "$pid" 2>/dev/null; then continue; fi
       status=0
@@ -519,7 +528,8 @@ wait_for_hosts() {
       unset "running[$pid]"
       close_stdin "$i"
       statuses[i]=$status
-      durations[i]=$((polls / POLLS_PER_SECOND))
+      durations[i]=$((SECONDS - started[i])) # or, if the clock stepped back, the polls':
+      ((durations[i] >= polls / POLLS_PER_SECOND)) || durations[i]=$((polls / POLLS_PER_SECOND))
       if [[ -n $stopping ]]; then stopped[i]=yes; fi
       if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
         first_failure=$i
@@ -566,7 +576,7 @@ main() {
   local max_restarts=0 torchrun='' workdir=$PWD env_file='' port='' log_dir=logs
   local dry_run='' hostfile nproc script script_args=() size job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
-  local ssh_command=() write_fds=() read_fds=() statuses=() durations=() stopped=()
+  local ssh_command=() write_fds=() read_fds=() started=() statuses=() durations=() stopped=()
   local stopping='' first_failure='' signal_status='' label_width
   local -A running=()
 

@@ -654,7 +654,8 @@ def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
 
 def faked_wall_clock(offset_file):
     """Environment under which a program's wall clock runs ahead by the seconds written in
-    offset_file, at any time (libfaketime); its monotonic clock stays true, as NTP leaves it."""
+    offset_file (libfaketime; bash sees a change up to 10 s late); its monotonic clock stays
+    true, as NTP leaves it."""
     library = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
     if library is None:
         skip_or_fail("libfaketime not installed (apt-get install faketime)")
@@ -677,7 +678,8 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
         launch.wait_for_output(r"^node1: started$", timeout=30)
         here.write_text("-120\n")
         there.write_text("+120\n")
-        deadline = time.monotonic() + 30 + 8  # launch.sh's SILENCE_SECONDS, and a heartbeat
+        # launch.sh's SILENCE_SECONDS, libfaketime's delay in bash, and a heartbeat
+        deadline = time.monotonic() + 30 + 10 + 8
         while time.monotonic() < deadline:
             assert launch.proc.poll() is None, launch.out + launch.err
             time.sleep(0.5)
@@ -686,6 +688,20 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
     os.kill(launch.pid, signal.SIGTERM)
     assert launch.wait(15) == 143, launch.err
     assert_nothing_left(cluster, launch)
+
+
+def test_a_stop_shorter_than_the_silence_stops_no_job(tmp_path, start):
+    """launch.sh stopped (Ctrl-Z) for 27 s, under the hosts' 30 s of silence: once resumed,
+    it writes to them at once, not at its next heartbeat."""
+    launch = start_a_sleeping_job_here(tmp_path, start)
+    os.kill(launch.pid, signal.SIGSTOP)
+    time.sleep(27)
+    os.kill(launch.pid, signal.SIGCONT)
+    time.sleep(6)  # past 30 s of silence, and a heartbeat of 5 s more
+    assert launch.proc.poll() is None, launch.out + launch.err
+    os.kill(launch.pid, signal.SIGTERM)
+    assert launch.wait(15) == 143, launch.err
+    assert not job_processes(launch)
 
 
 @pytest.mark.parametrize("cut", ["reset", "silent"])
