@@ -589,19 +589,20 @@ def test_a_failed_host_shows_the_workers_error_not_torchruns_report(tmp_path, st
     assert launch.err.endswith("the end of its log:\n  localhost: train.py: error: the cause\n"), launch.err
 
 
-def start_a_sleeping_job_here(tmp_path, start):
-    """launch.sh on localhost with a torchrun that says "started" and sleeps; once it has."""
+def start_a_sleeping_job(tmp_path, start, host="localhost", env=None):
+    """launch.sh on host with a torchrun that says "started" and sleeps; once it has. env:
+    launch.sh's environment (default: launch_env())."""
     torchrun = stand_in_torchrun(tmp_path, "echo started\nexec sleep 600")
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("localhost\n")
+    hostfile.write_text(f"{host}\n")
     launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN],
-                   launch_env())
-    launch.wait_for_output(r"^localhost: started$", timeout=30)
+                   env or launch_env())
+    launch.wait_for_output(rf"^{host}: started$", timeout=30)
     return launch
 
 
 def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
-    launch = start_a_sleeping_job_here(tmp_path, start)
+    launch = start_a_sleeping_job(tmp_path, start)
     (victim,) = [pid for pid in job_processes(launch) if Path(f"/proc/{pid}/comm").read_text() == "sleep\n"]
     os.kill(victim, signal.SIGKILL)  # as the OOM killer would
     assert launch.wait(10) == 1
@@ -629,7 +630,7 @@ def run_node_with_its_reader(launch):
 def test_a_killed_host_shell_leaves_nothing_behind(tmp_path, start):
     """A kill -9 of a host's own bash (run_node), not of torchrun: the job still ends when
     launch.sh stops it, and launch.sh is not left waiting for it."""
-    launch = start_a_sleeping_job_here(tmp_path, start)
+    launch = start_a_sleeping_job(tmp_path, start)
     deadline = time.monotonic() + 10
     while not (run_node := run_node_with_its_reader(launch)) and time.monotonic() < deadline:
         time.sleep(0.1)  # run_node starts its stdin reader after torchrun
@@ -654,8 +655,8 @@ def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
 
 def faked_wall_clock(offset_file):
     """Environment under which a program's wall clock runs ahead by the seconds written in
-    offset_file (libfaketime; bash sees a change up to 10 s late); its monotonic clock stays
-    true, as NTP leaves it."""
+    offset_file, which starts at 0 (libfaketime; bash sees a change up to 10 s late); its
+    monotonic clock stays true, as NTP leaves it."""
     library = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
     if library is None:
         skip_or_fail("libfaketime not installed (apt-get install faketime)")
@@ -671,11 +672,8 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
     bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
     bashrc.write_text("".join(f"export {k}={v}\n" for k, v in faked_wall_clock(there).items()))
     try:
-        launch = start(["--log-dir", tmp_path / "logs",
-                        "--torchrun", stand_in_torchrun(tmp_path, "echo started\nexec sleep 600"),
-                        cluster.write_hostfile(tmp_path / "hosts.txt", ["node1"]), "1", *TRAIN],
-                       launch_env(cluster, **faked_wall_clock(here)))
-        launch.wait_for_output(r"^node1: started$", timeout=30)
+        launch = start_a_sleeping_job(tmp_path, start, "node1",
+                                      launch_env(cluster, **faked_wall_clock(here)))
         here.write_text("-120\n")
         there.write_text("+120\n")
         # launch.sh's SILENCE_SECONDS, libfaketime's delay in bash, and a heartbeat
@@ -693,7 +691,7 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
 def test_a_stop_shorter_than_the_silence_stops_no_job(tmp_path, start):
     """launch.sh stopped (Ctrl-Z) for 27 s, under the hosts' 30 s of silence: once resumed,
     it writes to them at once, not at its next heartbeat."""
-    launch = start_a_sleeping_job_here(tmp_path, start)
+    launch = start_a_sleeping_job(tmp_path, start)
     os.kill(launch.pid, signal.SIGSTOP)
     time.sleep(27)
     os.kill(launch.pid, signal.SIGCONT)
