@@ -16,6 +16,8 @@
 # the directory, torchrun and the script, that the address SSH reached it at
 # is one the other hosts can use (not 127.0.0.1, not another host's), and
 # on the first host that --port is free. If any check fails, nothing starts.
+# Then each host but the first, as it starts, tries the rendezvous port, and
+# fails within 15 s if a firewall drops the packets.
 #
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a
@@ -88,19 +90,27 @@ die() {
   exit 2
 }
 
+# Prints the python beside torchrun $1 (as PATH finds it), or python3 if
+# there is none: it runs launch.sh's probes on the hosts, with no torch import.
+python_beside() {
+  local path
+  path=$(command -v -- "$1") || return 1
+  if [[ -x ${path%/*}/python ]]; then echo "${path%/*}/python"; else echo python3; fi
+}
+
 # Runs on each host: checks what run_node needs, the directory, torchrun and
 # script. On the first host, PORT is the rendezvous port to check, or "free"
 # to pick one; elsewhere "-". Prints "ok SSH_CONNECTION PORT" ("-" where
 # unknown).
 check_node() {
-  local workdir=$1 torchrun=$2 script=$3 port=$4 path python
+  local workdir=$1 torchrun=$2 script=$3 port=$4 python
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
     return 1
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
   cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (see --workdir)"; return 1; }
-  if ! path=$(command -v -- "$torchrun"); then
+  if ! python=$(python_beside "$torchrun"); then
     if [[ $torchrun == /* ]]; then
       echo "fail: no torchrun at $torchrun"
     else
@@ -109,8 +119,6 @@ check_node() {
     return 1
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
-  python=${path%/*}/python
-  [[ -x $python ]] || python=python3
   if [[ $port == free ]]; then
     port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
       || { echo "fail: cannot pick a free port"; return 1; }
@@ -126,10 +134,11 @@ check_node() {
 # environment, and when it exits, or stdin closes or stays silent for
 # SILENCE seconds, kills every process that carries the mark (torchrun starts
 # its workers in sessions of their own). ADDRESS is where the other hosts
-# reach this one.
+# reach this one; RENDEZVOUS is the first host's ADDRESS:PORT, or "-" on it.
 run_node() {
-  local job=$1 workdir=$2 address=$3 silence=$4 entries=() entry interface torchrun_pid reader silent status signal parent
-  shift 4
+  local job=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5 entries=() entry interface torchrun_pid
+  local reader silent status signal parent
+  shift 5
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
     [[ -n $entry ]] || break
@@ -146,7 +155,35 @@ run_node() {
   done
   if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
   cd -- "$workdir" || return 1
-  # Defined in here because only run_node's source travels to the host.
+  # Defined in here because only run_node's source (and python_beside's)
+  # travels to the host.
+  #
+  # Succeeds once the first host accepts or refuses a connection to the
+  # rendezvous port (refused: its torchrun is not listening yet). Where a
+  # firewall drops the packets, torchrun would give up only after 60 s, in a
+  # traceback. A listening store takes a connection that closes at once.
+  reach_rendezvous() {
+    "$(python_beside "$1")" - "$rendezvous" <<'EOF'
+import socket, sys, time
+SECONDS = 15  # of tries, each waiting up to 5 s for an answer
+endpoint = sys.argv[1]
+host, port = endpoint.rsplit(":", 1)
+deadline = time.monotonic() + SECONDS
+while True:
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        break
+    except ConnectionRefusedError:
+        break
+    except OSError as e:
+        if time.monotonic() > deadline:
+            sys.exit(f"launch.sh: this host cannot reach the rendezvous at {endpoint}, on the "
+                     f"first host ({e.strerror or e}, for {SECONDS} s): a firewall? The hosts "
+                     "must reach each other on every TCP port, the ones gloo and NCCL pick too")
+        time.sleep(1)
+EOF
+  }
+  # The job's processes, by their mark.
   job_pids() {
     grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
   }
@@ -173,6 +210,7 @@ run_node() {
   # and the two would meet again cut mid-line.
   (
     for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
+    if [[ $rendezvous != - ]]; then reach_rendezvous "$1" || exit 1; fi
     exec "$@"
   ) </dev/null 2>&1 &
   torchrun_pid=$!
@@ -224,7 +262,7 @@ run_node() {
 build_command() {
   local i=$1 function=$2 source
   shift 2
-  source="$(declare -f "$function"); $function \"\$@\""
+  source="$(declare -f python_beside "$function"); $function \"\$@\""
   if [[ -n ${local_node[i]} ]]; then
     cmd=(bash -c "$source" launch.sh "$@")
   else
@@ -376,20 +414,22 @@ preflight() {
   done
 }
 
-# Sets node_args to torchrun's arguments for host number $1.
+# Sets node_args to torchrun's arguments for host number $1, and rendezvous
+# to the first host's ADDRESS:PORT.
 set_node_args() {
   local i=$1 is_host=0 host=${addresses[0]}
   if ((i == 0)); then is_host=1; fi
   [[ $host != *:* ]] || host="[$host]" # IPv6
+  rendezvous=$host:$port
   node_args=(--nnodes="${#labels[@]}" --nproc-per-node="$nproc"
-    --rdzv-backend=c10d --rdzv-endpoint="$host:$port"
+    --rdzv-backend=c10d --rdzv-endpoint="$rendezvous"
     --rdzv-id="$job_id" --rdzv-conf="is_host=$is_host"
     --max-restarts="$max_restarts" --local-addr="${addresses[i]}"
     "$script" "${script_args[@]}")
 }
 
 print_dry_run() {
-  local i how names=()
+  local i how rendezvous names=()
   for i in "${!env_entries[@]}"; do names+=("${env_entries[i]%%=*}"); done
   echo "environment on every host: ${names[*]}"
   for i in "${!labels[@]}"; do
@@ -433,7 +473,7 @@ take_stdin() {
 # Runs host number $1's part of the job, in a subshell of its own, with its
 # output in its log and here, each line prefixed with the host.
 run_host() {
-  local i=$1
+  local i=$1 rendezvous
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
   # whole group: this script stops the host, by closing its stdin. Killed by
   # them, the pipe would lose the host's last output. (Bash ignores them in
@@ -441,8 +481,9 @@ run_host() {
   trap '' INT QUIT
   take_stdin "$i"
   set_node_args "$i"
-  build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" "$torchrun" \
-    "${node_args[@]}"
+  if ((i == 0)); then rendezvous=-; fi
+  build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" \
+    "$rendezvous" "$torchrun" "${node_args[@]}"
   # A local node runs in a session of its own, as a remote one does: torchrun
   # catches a terminal's Ctrl-C even where it is ignored, and passes it to its
   # workers, each of which would print a KeyboardInterrupt traceback.

@@ -486,6 +486,36 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
     assert not cluster.wait_until_idle(0)
 
 
+@pytest.mark.parametrize("verdict, error", [
+    (["drop"], "timed out"),  # as cloud firewalls do
+    (["reject", "with", "icmp", "type", "host-prohibited"], "No route to host"),  # as firewalld does
+], ids=["drop", "reject"])
+def test_a_host_cut_off_from_the_rendezvous_fails_in_one_line(cluster, tmp_path, start, verdict, error):
+    """A firewall on the first host stops the others' packets to the rendezvous port:
+    torchrun there would wait 60 s for its store, then fail in a traceback."""
+    if not shutil.which("nft"):
+        skip_or_fail("nft not installed (apt-get install nftables)")
+    table = ["inet", "launch_test"]
+    for rule in (["add", "table", *table],
+                 ["add", "chain", *table, "input", "{ type filter hook input priority 0; }"],
+                 ["add", "rule", *table, "input", "iifname", "eth0", "tcp", "dport", "29555", *verdict]):
+        cluster.run("node1", ["nft", *rule], check=True, timeout=10)
+    try:
+        hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
+        began = time.monotonic()
+        launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--port", "29555", hostfile, "1",
+                                    *TRAIN], launch_env(cluster), timeout=60)
+        assert launch.proc.returncode == 1, launch.err
+        assert time.monotonic() - began < 15 + 15  # the probe's 15 s, plus slack
+        assert re.search(r"^  node2: launch.sh: this host cannot reach the rendezvous at "
+                         rf"{re.escape(cluster.address('node1'))}:29555, on the first host \({error}",
+                         launch.err, re.M), launch.err
+        assert "Traceback" not in launch.out + launch.err
+    finally:
+        cluster.run("node1", ["nft", "delete", "table", *table], check=True, timeout=10)
+    assert_nothing_left(cluster, launch)
+
+
 def test_preflight_names_every_failing_host(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
     launch = run_launch(
