@@ -570,8 +570,17 @@ def write_atomically(state, path, tmp):
 def load_checkpoint(path, args, data_id, rank, world_size):
     """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
     shared filesystem have no last.pt of their own and must still resume with rank 0."""
+    # Without a shared filesystem, only the node of the last run's rank 0 holds last.pt.
+    # torchrun orders nodes by address, so a node added or replaced can take rank 0: it
+    # must not start over.
+    found = all_gather((socket.gethostname(), os.path.exists(path)))
     checkpoint, error = None, None
-    if rank == 0 and os.path.exists(path):
+    if rank == 0 and not found[0][1] and any(exists for _, exists in found):
+        holders = sorted({host for host, exists in found if exists})
+        error = (f"checkpoint {path} is on {', '.join(holders)} but not on {found[0][0]}, "
+                 "where global rank 0 runs, and resumes from it: copy it there, or put "
+                 "--checkpoint-dir on a filesystem that every node shares")
+    elif rank == 0 and found[0][1]:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
             problem = why_not_resumable(checkpoint, args, data_id, world_size)
