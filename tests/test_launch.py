@@ -22,7 +22,7 @@ TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
 ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
 LOGIN_SHELLS = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
 LONG_TRAIN = [*TRAIN, "--epochs", "1000", "--log-every", "5"]  # runs until stopped
-SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh")
+SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh", "lib/node.sh")
 
 cluster = cluster_fixture(n_hosts=3)
 
@@ -165,7 +165,8 @@ def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
     tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, and h1, h2, ...
-    are at 10.9.1.1, 10.9.1.2, ..."""
+    are at 10.9.1.1, 10.9.1.2, ... and see this machine at 127.0.0.1: a rendezvous here,
+    which each host tries as it starts, is reached without a packet leaving it."""
     script = tmp_path / "ssh-here"
     script.write_text(
         '#!/usr/bin/env bash\n'
@@ -175,7 +176,7 @@ def ssh_here(tmp_path):
         '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
         '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
         '  bare) unset SSH_CONNECTION ;;\n'
-        '  h[0-9]*) export SSH_CONNECTION="10.9.0.1 40000 10.9.1.${host#h} 22" ;;\n'
+        '  h[0-9]*) export SSH_CONNECTION="127.0.0.1 40000 10.9.1.${host#h} 22" ;;\n'
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
         'exec sh -c "${*: -1}"\n'
@@ -976,12 +977,16 @@ def test_signal_to_the_whole_group_while_hosts_start(tmp_path, start, signum, st
     """A Ctrl-C or SIGTERM to the whole group as hosts start is neither lost nor fatal
     mid-start, and pipelines that die as they start must not block launch.sh."""
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("".join(f"h{i}\n" for i in range(1, 101)))
+    # The rendezvous on this machine, where the made-up hosts reach it: their addresses
+    # lead off this machine, where no packet may go.
+    hostfile.write_text("localhost\n" + "".join(f"h{i}\n" for i in range(2, 51)))
     logs = tmp_path / "logs"
-    launch = start(["--log-dir", logs, "--torchrun", "/bin/true", hostfile, "1", *TRAIN],
+    torchrun = stand_in_torchrun(tmp_path, "exit 0")
+    (tmp_path / "python").symlink_to(sys.executable)  # probes the rendezvous: one that starts fast
+    launch = start(["--log-dir", logs, "--torchrun", torchrun, hostfile, "1", *TRAIN],
                    launch_env(SSH_COMMAND=ssh_here(tmp_path)))
     deadline = time.monotonic() + 60
-    while not list(logs.glob("*/h1.log")):  # host 0's pipeline runs; 99 more to start
+    while not list(logs.glob("*/localhost.log")):  # host 0's pipeline runs; 49 more to start
         if launch.proc.poll() is not None or time.monotonic() > deadline:
             launch.kill()
             pytest.fail(f"launch.sh never started the hosts\n{launch.out}\n{launch.err}")

@@ -1,0 +1,174 @@
+# shellcheck shell=bash
+#
+# What launch.sh runs on each host. launch.sh sends a function's source over
+# SSH (declare -f), with python_beside's, and calls it there: check_node in
+# preflight, run_node for the job. So these functions use no global and no
+# other function of launch.sh.
+
+# Prints the python beside torchrun $1 (as PATH finds it), or python3 if
+# there is none: it runs launch.sh's probes on the hosts, with no torch import.
+python_beside() {
+  local path
+  path=$(command -v -- "$1") || return 1
+  if [[ -x ${path%/*}/python ]]; then echo "${path%/*}/python"; else echo python3; fi
+}
+
+# Runs on each host: checks what run_node needs, the directory, torchrun and
+# script. On the first host, PORT is the rendezvous port to check, or "free"
+# to pick one; elsewhere "-". Prints "ok SSH_CONNECTION PORT" ("-" where
+# unknown).
+check_node() {
+  local workdir=$1 torchrun=$2 script=$3 port=$4 python
+  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
+    echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
+    return 1
+  fi
+  [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
+  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (see --workdir)"; return 1; }
+  if ! python=$(python_beside "$torchrun"); then
+    if [[ $torchrun == /* ]]; then
+      echo "fail: no torchrun at $torchrun"
+    else
+      echo "fail: no $torchrun on this host's PATH (as SSH sets it): give --torchrun an absolute path"
+    fi
+    return 1
+  fi
+  [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
+  if [[ $port == free ]]; then
+    port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
+      || { echo "fail: cannot pick a free port"; return 1; }
+  elif [[ $port != - ]]; then # as torchrun will bind it: SO_REUSEADDR, so TIME_WAIT is no obstacle
+    "$python" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$port" 2>/dev/null \
+      || { echo "fail: port $port (--port) is in use here"; return 1; }
+  fi
+  echo "ok ${SSH_CONNECTION:-- - - -} $port"
+}
+
+# Runs on each host: reads NUL-separated KEY=VALUE entries from stdin up to
+# an empty one, runs the command with them and LAUNCH_JOB=JOB in its
+# environment, and when it exits, or stdin closes or stays silent for
+# SILENCE seconds, kills every process that carries the mark (torchrun starts
+# its workers in sessions of their own). ADDRESS is where the other hosts
+# reach this one; RENDEZVOUS is the first host's ADDRESS:PORT, or "-" on it.
+run_node() {
+  local job=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5 entries=() entry interface torchrun_pid
+  local python reader silent status signal parent
+  shift 5
+  while :; do
+    IFS= read -r -d '' entry || return 143 # launch.sh is gone already
+    [[ -n $entry ]] || break
+    entries+=("$entry")
+  done
+  # gloo binds to the address this host's name resolves to, which Debian and
+  # Ubuntu map to 127.0.1.1, where no other host can connect. Bind it to the
+  # interface that holds ADDRESS instead, unless GLOO_SOCKET_IFNAME is set
+  # here or sent.
+  read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null)
+  if [[ -n ${GLOO_SOCKET_IFNAME+set} ]]; then interface=''; fi # set here
+  for entry in "${entries[@]}"; do
+    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi # sent
+  done
+  if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
+  cd -- "$workdir" || return 1
+  # On hosts but the first, the job starts as this program, which runs the
+  # command once the first host accepts or refuses a connection to the
+  # rendezvous port (refused: its torchrun is not listening yet). Where a
+  # firewall drops the packets, torchrun would give up only after 60 s, in a
+  # traceback. A listening store takes a connection that closes at once. It
+  # runs in the job's place, with its mark: a stop kills it like the job.
+  # (-I: no directory or variable of the job's changes what it imports; -S: it
+  # needs no site-packages, and starts in half the time without.)
+  local reach_rendezvous_then_exec='import os, socket, sys, time
+SECONDS = 15  # of tries, each waiting up to 5 s for an answer
+endpoint, command = sys.argv[1], sys.argv[2:]
+host, port = endpoint.rsplit(":", 1)
+deadline = time.monotonic() + SECONDS
+while True:
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        break
+    except ConnectionRefusedError:
+        break
+    except OSError as e:
+        if time.monotonic() > deadline:
+            sys.exit(f"launch.sh: this host cannot reach the rendezvous at {endpoint}, on the "
+                     f"first host ({e.strerror or e}, for {SECONDS} s): a firewall? The hosts "
+                     "must reach each other on every TCP port, the ones gloo and NCCL pick too")
+        time.sleep(1)
+os.execvp(command[0], command)'
+  # Defined in here because only run_node's source (and python_beside's)
+  # travels to the host.
+  job_pids() {
+    grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
+  }
+  signal_job() {
+    local pids
+    mapfile -t pids < <(job_pids)
+    if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
+  }
+  # SIGTERM, 5 s for the workers to end, then SIGKILL. torchrun itself, their
+  # parent, would then spend seconds closing the rendezvous; as the whole job
+  # is ending, nobody needs that.
+  stop_job() {
+    signal_job TERM
+    for _ in {1..25}; do
+      job_pids | grep -qvxF "$torchrun_pid" || break # none left but torchrun
+      sleep 0.2
+    done
+    signal_job KILL
+  }
+  # Exported in a subshell that becomes torchrun: the entries reach the job
+  # only, so this shell keeps its PATH for the clean-up whatever an --env-file
+  # line sets, and no command line holds their values (`env NAME=VALUE ...`
+  # would show them in ps). 2>&1: ssh carries stderr on a channel of its own,
+  # and the two would meet again cut mid-line.
+  python=$(python_beside "$1") # on this PATH: an --env-file line may change the job's
+  (
+    for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
+    if [[ $rendezvous != - ]]; then exec "$python" -I -S -c "$reach_rendezvous_then_exec" "$rendezvous" "$@"; fi
+    exec "$@"
+  ) </dev/null 2>&1 &
+  torchrun_pid=$!
+  # The reader ends when stdin closes or stays silent, and then this shell
+  # stops the job; if this shell is gone (a kill -9), the reader does. It holds
+  # no output, which would keep ssh's channel, and launch.sh, waiting. Silence
+  # is counted in reads of 1 s: from bash 5.2, read -t checks its deadline on
+  # the wall clock as each byte arrives, and a step forward past a longer one
+  # would end the read as a heartbeat came in.
+  {
+    silent=0
+    while ((silent < silence)); do
+      if IFS= read -r -t 1 -d '' _; then
+        silent=0
+      elif (($? > 128)); then # timed out
+        silent=$((silent + 1))
+      else
+        break # closed
+      fi
+    done
+    read -r _ _ _ parent _ <"/proc/$BASHPID/stat"
+    if ((parent != $$)); then stop_job; fi
+  } <&0 >/dev/null 2>&1 & # (without <&0: /dev/null)
+  reader=$!
+  # Bash reports a job killed by a signal with four lines of the job's source,
+  # on its stderr, when it sees fit: torchrun's end is told below in one line.
+  exec 2>/dev/null
+  # Polls rather than `wait -n`, which misses a job that ended before it was
+  # called: the reader does, when launch.sh is stopped as the job starts.
+  while kill -0 "$torchrun_pid" 2>/dev/null && kill -0 "$reader" 2>/dev/null; do
+    sleep 0.2
+  done
+  status=0
+  if kill -0 "$torchrun_pid" 2>/dev/null; then # stdin closed or silent
+    status=143
+    stop_job
+  else
+    wait "$torchrun_pid" || status=$?
+    if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)
+      echo "launch.sh: torchrun was killed by SIG$signal (status $status)"
+    fi
+    signal_job KILL # what torchrun left behind
+  fi
+  kill "$reader" 2>/dev/null || true
+  return "$status"
+}
