@@ -148,6 +148,8 @@ def measure_stub(cluster, n_hosts):
         stub = Path(tmp) / "torchrun"
         stub.write_text(STUB)
         stub.chmod(0o755)
+        # As in a venv, a python beside it: it runs launch.sh's rendezvous probe on the hosts.
+        (Path(tmp) / "python").symlink_to(sys.executable)
         with Launched(cluster, hosts, 1, LONG_TRAIN, tmp, ["--torchrun", stub]) as launch:
             for host in hosts:  # its line says it runs: no polling to compete for the cores
                 launch.wait_for(rf"^{host}: stub-started$", STEP_TIMEOUT)
