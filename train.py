@@ -567,20 +567,37 @@ def write_atomically(state, path, tmp):
             os.close(fd)
 
 
+def checkpoint_step(path):
+    """The step of the checkpoint at `path`, or None if it is missing or unreadable. mmap
+    leaves the tensors on disk: this reads little more than the file's index."""
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:
+        return None
+    return step if isinstance(step, int) else None
+
+
 def load_checkpoint(path, args, data_id, rank, world_size):
     """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
     shared filesystem have no last.pt of their own and must still resume with rank 0."""
-    # Without a shared filesystem, only the node of the last run's rank 0 holds last.pt.
-    # torchrun orders nodes by address, so a node added or replaced can take rank 0: it
-    # must not start over.
-    found = all_gather((socket.gethostname(), os.path.exists(path)))
+    # Without a shared filesystem, only the node of the last run's rank 0 holds last.pt, or
+    # the newest one. torchrun orders nodes by address, so a node added or replaced can take
+    # rank 0: it must neither start over nor go back to an older copy of its own.
+    found = all_gather((socket.gethostname(), os.path.exists(path), checkpoint_step(path)))
+    host0, exists0, step0 = found[0]
+    ahead = sorted({f"{host} (step {step})" for host, _, step in found
+                    if step is not None and step0 is not None and step > step0})
     checkpoint, error = None, None
-    if rank == 0 and not found[0][1] and any(exists for _, exists in found):
-        holders = sorted({host for host, exists in found if exists})
-        error = (f"checkpoint {path} is on {', '.join(holders)} but not on {found[0][0]}, "
+    if rank == 0 and not exists0 and any(exists for _, exists, _ in found):
+        holders = sorted({host for host, exists, _ in found if exists})
+        error = (f"checkpoint {path} is on {', '.join(holders)} but not on {host0}, "
                  "where global rank 0 runs, and resumes from it: copy it there, or put "
                  "--checkpoint-dir on a filesystem that every node shares")
-    elif rank == 0 and found[0][1]:
+    elif rank == 0 and ahead:
+        error = (f"checkpoint {path} on {', '.join(ahead)} is newer than on {host0} (step "
+                 f"{step0}), where global rank 0 runs, and resumes from its own: copy the "
+                 "newest there, or put --checkpoint-dir on a filesystem that every node shares")
+    elif rank == 0 and exists0:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
             problem = why_not_resumable(checkpoint, args, data_id, world_size)

@@ -6,6 +6,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+import torch
+
 from cluster import cluster_fixture
 from conftest import REPO, assert_ok, metrics, run
 
@@ -52,22 +55,29 @@ def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_pat
     assert "start: world_size=2 backend=gloo" in results[0].stdout
 
 
-def test_a_checkpoint_only_on_another_node_than_rank_0s_stops_the_run(cluster, tmp_path):
-    """Without a shared filesystem, last.pt is on the node that was rank 0's. Where rank 0
-    runs on another node now, it must not start over: here node1 (rank 0) has its own,
-    empty checkpoint directory, and node2 the checkpoint."""
-    checkpoints, empty = tmp_path / "checkpoints", tmp_path / "empty"
+@pytest.mark.parametrize("rank_0s, message", [
+    (None, "is on node2 but not on node1, where global rank 0 runs"),
+    (4, "on node2 (step 8) is newer than on node1 (step 4), where global rank 0 runs"),
+], ids=["none", "older"])
+def test_a_newer_checkpoint_on_another_node_than_rank_0s_stops_the_run(cluster, tmp_path,
+                                                                       rank_0s, message):
+    """Without a shared filesystem, last.pt is on the node that was rank 0's, or a copy is.
+    Where rank 0 runs on a node with none, or an older one, it must neither start over nor
+    go back: here node1 (rank 0) has a checkpoint directory of its own, and node2 step 8."""
+    checkpoints, node1s = tmp_path / "checkpoints", tmp_path / "node1"
     checkpoints.mkdir()
-    empty.mkdir()
-    (checkpoints / "last.pt").write_bytes(b"the run so far")
-    cluster.run("node1", ["mount", "--bind", empty, checkpoints], check=True, timeout=10)
+    node1s.mkdir()
+    torch.save({"step": 8}, checkpoints / "last.pt")  # all that the comparison reads
+    if rank_0s is not None:
+        torch.save({"step": rank_0s}, node1s / "last.pt")
+    cluster.run("node1", ["mount", "--bind", node1s, checkpoints], check=True, timeout=10)
     try:
         results = torchrun_by_hand(cluster, ["--arch", "cnn", "--dataset", "synthetic",
                                              "--max-steps", "1", "--checkpoint-dir", checkpoints])
     finally:
         cluster.run("node1", ["umount", checkpoints], check=True, timeout=10)
     assert results[0].returncode != 0 and results[1].returncode != 0
-    assert (f"train.py: error: checkpoint {checkpoints}/last.pt is on node2 but not on node1, "
-            "where global rank 0 runs") in results[0].stderr, results[0].stderr
+    assert f"train.py: error: checkpoint {checkpoints}/last.pt {message}" in results[0].stderr, \
+        results[0].stderr
     assert "start:" not in results[0].stdout
-    assert (checkpoints / "last.pt").read_bytes() == b"the run so far"
+    assert torch.load(checkpoints / "last.pt") == {"step": 8}
