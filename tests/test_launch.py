@@ -195,10 +195,12 @@ def fake_ssh(tmp_path):
 
 def stand_in_torchrun(tmp_path, body):
     """A torchrun for --torchrun that runs body, a sh script: for what launch.sh alone does
-    with a host's command, its environment and its output, without torch's seconds of start-up."""
+    with a host's command, its environment and its output, without torch's seconds of start-up.
+    Beside it, as in a venv, this python: it runs launch.sh's rendezvous probe on the hosts."""
     torchrun = tmp_path / "torchrun"
     torchrun.write_text(f"#!/bin/sh\n{body}\n")
     torchrun.chmod(0o755)
+    (tmp_path / "python").symlink_to(sys.executable)
     return torchrun
 
 
@@ -982,7 +984,6 @@ def test_signal_to_the_whole_group_while_hosts_start(tmp_path, start, signum, st
     hostfile.write_text("localhost\n" + "".join(f"h{i}\n" for i in range(2, 51)))
     logs = tmp_path / "logs"
     torchrun = stand_in_torchrun(tmp_path, "exit 0")
-    (tmp_path / "python").symlink_to(sys.executable)  # probes the rendezvous: one that starts fast
     launch = start(["--log-dir", logs, "--torchrun", torchrun, hostfile, "1", *TRAIN],
                    launch_env(SSH_COMMAND=ssh_here(tmp_path)))
     deadline = time.monotonic() + 60
