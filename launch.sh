@@ -17,7 +17,7 @@
 # is one the other hosts can use (not 127.0.0.1, not another host's), and
 # on the first host that --port is free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
-# fails within 15 s if a firewall drops the packets.
+# fails within 15 s if a firewall drops the packets, 50 s if it refuses them.
 #
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a

@@ -72,29 +72,55 @@ run_node() {
   cd -- "$workdir" || return 1
   # On hosts but the first, the job starts as this program, which runs the
   # command once the first host accepts or refuses a connection to the
-  # rendezvous port (refused: its torchrun is not listening yet). Where a
-  # firewall drops the packets, torchrun would give up only after 60 s, in a
-  # traceback. A listening store takes a connection that closes at once. It
-  # runs in the job's place, with its mark: a stop kills it like the job.
-  # (-I: no directory or variable of the job's changes what it imports; -S: it
-  # needs no site-packages, and starts in half the time without.)
-  local reach_rendezvous_then_exec='import os, socket, sys, time
-SECONDS = 15  # of tries, each waiting up to 5 s for an answer
+  # rendezvous port. Where a firewall drops the packets, torchrun would give
+  # up only after 60 s, in a traceback. Refused, the first host's torchrun may
+  # not be listening yet: the command starts at once, and a child of this
+  # program goes on trying, and stops it after 50 s of refusals. (torchrun
+  # would print a C++ backtrace 60 s from its start, retry, and end in a
+  # traceback some 40 s later.) A listening store takes a connection that
+  # closes at once. All of it runs in the job's place, with its mark: a stop
+  # kills it like the job. (-I: no directory or variable of the job's changes
+  # what it imports; -S: it needs no site-packages, and starts in half the
+  # time without.)
+  local reach_rendezvous_then_exec='import os, signal, socket, sys, time
+NO_ANSWER_SECONDS = 15  # of tries, each waiting up to 5 s for an answer
+REFUSED_SECONDS = 50  # less than the 60 s torchrun waits for its store
 endpoint, command = sys.argv[1], sys.argv[2:]
 host, port = endpoint.rsplit(":", 1)
-deadline = time.monotonic() + SECONDS
-while True:
+
+def reach():
+    """None once the rendezvous port takes a connection, else the error."""
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-        break
-    except ConnectionRefusedError:
-        break
+        return None
     except OSError as e:
+        return e
+
+def say_unreachable(error, seconds, why):
+    print(f"launch.sh: this host cannot reach the rendezvous at {endpoint}, on the first host "
+          f"({error.strerror or error}, for {seconds} s): {why}", file=sys.stderr, flush=True)
+
+deadline = time.monotonic() + NO_ANSWER_SECONDS
+error = reach()
+while error is not None and not isinstance(error, ConnectionRefusedError):
+    if time.monotonic() > deadline:
+        say_unreachable(error, NO_ANSWER_SECONDS, "a firewall? The hosts must reach each other "
+                        "on every TCP port, the ones gloo and NCCL pick too")
+        sys.exit(1)
+    time.sleep(1)
+    error = reach()
+command_pid = os.getpid()
+if error is not None and os.fork() == 0:
+    deadline = time.monotonic() + REFUSED_SECONDS
+    while error is not None and os.getppid() == command_pid:
         if time.monotonic() > deadline:
-            sys.exit(f"launch.sh: this host cannot reach the rendezvous at {endpoint}, on the "
-                     f"first host ({e.strerror or e}, for {SECONDS} s): a firewall? The hosts "
-                     "must reach each other on every TCP port, the ones gloo and NCCL pick too")
+            say_unreachable(error, REFUSED_SECONDS, "a firewall there that rejects it, or no "
+                            "torchrun listening (see its log). Stopping torchrun here")
+            os.kill(command_pid, signal.SIGKILL)
+            break
         time.sleep(1)
+        error = reach()
+    os._exit(0)
 os.execvp(command[0], command)'
   # Defined in here because only run_node's source (and python_beside's)
   # travels to the host.
