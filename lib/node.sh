@@ -76,15 +76,15 @@ run_node() {
   # up only after 60 s, in a traceback. Refused, the first host's torchrun may
   # not be listening yet: the command starts at once, and a child of this
   # program goes on trying, and stops it after 50 s of refusals. (torchrun
-  # would print a C++ backtrace 60 s from its start, retry, and end in a
-  # traceback some 40 s later.) A listening store takes a connection that
-  # closes at once. All of it runs in the job's place, with its mark: a stop
-  # kills it like the job. (-I: no directory or variable of the job's changes
-  # what it imports; -S: it needs no site-packages, and starts in half the
-  # time without.)
+  # gives up a first try after 30 to 60 s, in a C++ backtrace, tries again
+  # up to a minute later, and ends in a traceback.) A listening store takes a
+  # connection that closes at once. All of it runs in the job's place, with
+  # its mark: a stop kills it like the job. (-I: no directory or variable of
+  # the job's changes what it imports; -S: it needs no site-packages, and
+  # starts in half the time without.)
   local reach_rendezvous_then_exec='import os, signal, socket, sys, time
 NO_ANSWER_SECONDS = 15  # of tries, each waiting up to 5 s for an answer
-REFUSED_SECONDS = 50  # less than the 60 s torchrun waits for its store
+REFUSED_SECONDS = 50  # a first host whose torchrun is slow to start must not fail
 endpoint, command = sys.argv[1], sys.argv[2:]
 host, port = endpoint.rsplit(":", 1)
 
