@@ -24,6 +24,7 @@ import pickle
 import socket
 import struct
 import sys
+import threading
 import time
 import zlib
 
@@ -38,6 +39,7 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Fix: the pattern normalised with (0.5,
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 EVAL_BATCH_SIZE = 1024
+DOWNLOAD_STALL_SECONDS = 60  # a download that receives nothing for this long fails
 # Arguments a resumed run may change: how long it runs, where it reads and writes, what it
 # prints, and how processes meet. All others (any you add, too) fix the training trajectory:
 # a checkpoint resumes only a run that agrees on them.
@@ -297,7 +299,43 @@ def read_idx(path):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header).view(shape)
 
 
-def load_mnist(root, download, rank, local_rank):
+def run_while_the_others_wait(work, device):
+    """Run work() here, unless it is None, while every rank checks in each second until
+    no rank's work is left: a wait of any length is then many short collectives, none of
+    which reaches --timeout. Return work's error as one line, or None."""
+    errors = []
+
+    def run():
+        try:
+            work()
+        except Exception as e:  # offline, a mirror down, a full disk ...
+            errors.append(describe(e))
+
+    thread = None
+    if work is not None:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+    while True:
+        busy = 0
+        if thread is not None:
+            thread.join(timeout=1)
+            busy = int(thread.is_alive())
+        if all_reduce_sum(torch.tensor([busy], device=device)).item() == 0:
+            return errors[0] if errors else None
+
+
+def download_mnist(root):
+    import torchvision  # only to download: reading needs no torchvision
+    default_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_STALL_SECONDS)  # else a stalled download hangs the job
+    try:
+        for split_is_train in (True, False):
+            torchvision.datasets.MNIST(root, train=split_is_train, download=True)
+    finally:
+        socket.setdefaulttimeout(default_timeout)
+
+
+def load_mnist(root, download, rank, local_rank, device):
     """MNIST as uint8 tensors; rank 0 downloads while the others wait."""
     raw = os.path.join(root, "MNIST", "raw")  # torchvision's layout
 
@@ -307,17 +345,13 @@ def load_mnist(root, download, rank, local_rank):
     error = None
     # Fix: every rank downloaded at once and raced on the same files. Global rank 0
     # downloads first; then, for nodes that share no filesystem with it, each node's
-    # local rank 0. Everyone else waits at the barrier.
+    # local rank 0. Everyone else waits, for as long as a slow network takes.
     for is_downloader in (rank == 0, local_rank == 0):
-        if is_downloader and download and not present() and error is None:
-            try:
-                import torchvision  # only to download: reading needs no torchvision
-                for split_is_train in (True, False):
-                    torchvision.datasets.MNIST(root, train=split_is_train, download=True)
-            except Exception as e:  # offline, a mirror down, a full disk ...
-                error = f"download failed ({describe(e)})"
-        if distributed():
-            dist.barrier()
+        needed = is_downloader and download and not present() and error is None
+        failure = run_while_the_others_wait((lambda: download_mnist(root)) if needed else None,
+                                            device)
+        if failure is not None:
+            error = f"download failed ({failure})"
     if not present() and error is None:
         error = "the files are missing and --no-download is set" if not download else "not found"
     if error is None:
@@ -353,7 +387,7 @@ def build_data(args, rank, local_rank, device):
         test_x, test_y = synthetic_mnist(10_000, seed=2)
     else:
         train_x, train_y, test_x, test_y = load_mnist(args.data, not args.no_download,
-                                                       rank, local_rank)
+                                                       rank, local_rank, device)
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
     return (train_x.unsqueeze(1).to(device), train_y.to(device),
@@ -517,7 +551,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
     error = None
     if rank == 0:
         state = {
-            "model": model.state_dict(),  # the unwrapped model: no "module." or "_orig_mod." prefixes
+            "model": model.state_dict(),  # unwrapped: no "module." or "_orig_mod." prefixes
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(),
             "epoch": epoch,  # the epoch in progress (for people; resume goes by step)

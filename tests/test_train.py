@@ -283,24 +283,51 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
     assert "Traceback (most recent call last):\n  File \"" + str(TRAIN) not in result.stderr
 
 
-def torchrun_patched(tmp_path, patch, *args):
-    """train.py under torchrun on two ranks, each of which first runs `patch`: lines of Python
-    with os and train imported, and argv the arguments for train.main."""
+def patched_train(tmp_path, patch):
+    """A script that runs `patch`, lines of Python with os and train imported, and argv the
+    arguments for train.main, then train.main."""
     script = tmp_path / "patched_train.py"
     script.write_text(f"import os, sys\nsys.path.insert(0, {str(REPO)!r})\nimport train\n"
                       f"argv = sys.argv[1:]\n{patch}\ntrain.main(argv)\n")
-    result = torchrun(2, *args, script=script, timeout=60)
+    return script
+
+
+def torchrun_patched(tmp_path, patch, *args):
+    """train.py under torchrun on two ranks, each of which first runs `patch`; it must fail."""
+    result = torchrun(2, *args, script=patched_train(tmp_path, patch), timeout=60)
     assert result.returncode != 0 and "step" not in result.stdout
     assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
     return result
 
 
-def test_a_failed_download_is_one_message_per_node(tmp_path):
-    result = torchrun_patched(tmp_path, "import torchvision\n"  # refused, as offline (on loopback)
-                              "torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:9/']",
-                              "--arch", "cnn", "--data", tmp_path / "none")
+def test_a_download_longer_than_the_timeout_is_waited_for(mnist_dir, tmp_path):
+    """Rank 1 waits 8 s for rank 0's download with --timeout 3: no collective lasts as long."""
+    patch = f"""import shutil, time, torchvision
+def slow_download(root, train, download):
+    time.sleep(4)
+    shutil.copytree({str(mnist_dir)!r}, root, dirs_exist_ok=True)
+torchvision.datasets.MNIST = slow_download"""
+    result = torchrun(2, "--arch", "cnn", "--batch-size", "16", "--data", tmp_path / "data",
+                      "--timeout", "3", "--max-steps", "2", script=patched_train(tmp_path, patch),
+                      timeout=60)
+    assert_ok(result)
+    assert "(partial) step 2 train_loss" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("stalled, error", [
+    (False, "RuntimeError: Error downloading train-images-idx3-ubyte"),  # refused, as offline
+    (True, "TimeoutError: timed out"),  # no answer at all, which would hang the job
+], ids=["refused", "stalled"])
+def test_a_failed_download_is_one_message_per_node(tmp_path, stalled, error):
+    # On loopback: a server whose kernel takes connections that it never reads, or port 9.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        mirror = f"http://127.0.0.1:{server.getsockname()[1] if stalled else 9}/"
+        result = torchrun_patched(tmp_path, "import torchvision\n"
+                                  f"torchvision.datasets.MNIST.mirrors = [{mirror!r}]\n"
+                                  "train.DOWNLOAD_STALL_SECONDS = 2",
+                                  "--arch", "cnn", "--data", tmp_path / "none")
     assert result.stderr.count("MNIST unavailable on") == 1, result.stderr  # not "not found" too
-    assert "download failed (RuntimeError: Error downloading train-images-idx3-ubyte" in result.stderr
+    assert f"download failed ({error}" in result.stderr, result.stderr
 
 
 def test_mnist_missing_on_one_rank_only_is_said(mnist_dir, tmp_path):
