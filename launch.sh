@@ -17,7 +17,8 @@
 # is one the other hosts can use (not 127.0.0.1, not another host's), and
 # on the first host that --port is free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
-# fails within 15 s if a firewall drops the packets, 50 s if it refuses them.
+# fails within 15 s if a firewall drops the packets (says so after 30 s if
+# the port refuses them).
 #
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a
@@ -416,11 +417,14 @@ wait_for_hosts() {
 
 # Prints the last 20 lines of log $1 before torchrun's closing report: a
 # traceback of its own that ends in ChildFailedError, and a table, 40 lines
-# or more that would push out the workers' error above them.
+# or more that would push out the workers' error above them. Above them, the
+# lines launch.sh's code on the host wrote earlier (a rendezvous that refused).
 print_log_end() {
-  local end
+  local end first
   end=$(awk '/^Traceback \(most recent call last\):$/ { start = NR }
     /ChildFailedError/ && start { end = start - 1 } END { print (end > 0 ? end : NR) }' "$1")
+  first=$((end > 20 ? end - 19 : 1))
+  head -n "$((first - 1))" "$1" | grep '^launch\.sh: ' || true
   head -n "$end" "$1" | tail -n 20
 }
 

@@ -75,16 +75,18 @@ run_node() {
   # rendezvous port. Where a firewall drops the packets, torchrun would give
   # up only after 60 s, in a traceback. Refused, the first host's torchrun may
   # not be listening yet: the command starts at once, and a child of this
-  # program goes on trying, and stops it after 50 s of refusals. (torchrun
-  # gives up a first try after 30 to 60 s, in a C++ backtrace, tries again
-  # up to a minute later, and ends in a traceback.) A listening store takes a
-  # connection that closes at once. All of it runs in the job's place, with
-  # its mark: a stop kills it like the job. (-I: no directory or variable of
-  # the job's changes what it imports; -S: it needs no site-packages, and
-  # starts in half the time without.)
-  local reach_rendezvous_then_exec='import os, signal, socket, sys, time
+  # program goes on trying, and says so after 30 s of refusals (a firewall
+  # that rejects them?) while torchrun tries on. Stopping it there would fail
+  # a job whose first host is slow to import torch, from a cold network
+  # filesystem, say; torchrun itself gives up after 100 s or more, in a
+  # traceback, and launch.sh's summary shows this line above it. A listening
+  # store takes a connection that closes at once. All of it runs in the job's
+  # place, with its mark: a stop kills it like the job. (-I: no directory or
+  # variable of the job's changes what it imports; -S: it needs no
+  # site-packages, and starts in half the time without.)
+  local reach_rendezvous_then_exec='import os, socket, sys, time
 NO_ANSWER_SECONDS = 15  # of tries, each waiting up to 5 s for an answer
-REFUSED_SECONDS = 50  # a first host whose torchrun is slow to start must not fail
+REFUSED_SECONDS = 30  # of refusals, before a word of warning
 endpoint, command = sys.argv[1], sys.argv[2:]
 host, port = endpoint.rsplit(":", 1)
 
@@ -112,11 +114,10 @@ while error is not None and not isinstance(error, ConnectionRefusedError):
 command_pid = os.getpid()
 if error is not None and os.fork() == 0:
     deadline = time.monotonic() + REFUSED_SECONDS
-    while error is not None and os.getppid() == command_pid:
+    while error is not None and os.getppid() == command_pid:  # until the command has ended
         if time.monotonic() > deadline:
-            say_unreachable(error, REFUSED_SECONDS, "a firewall there that rejects it, or no "
-                            "torchrun listening (see its log). Stopping torchrun here")
-            os.kill(command_pid, signal.SIGKILL)
+            say_unreachable(error, REFUSED_SECONDS, "a firewall there that rejects it, or a "
+                            "torchrun slow to start? torchrun goes on trying")
             break
         time.sleep(1)
         error = reach()

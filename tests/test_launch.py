@@ -489,17 +489,9 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
     assert not cluster.wait_until_idle(0)
 
 
-@pytest.mark.parametrize("verdict, error, seconds", [
-    (["drop"], "timed out", 15),  # as cloud firewalls do
-    (["reject", "with", "icmp", "type", "host-prohibited"], "No route to host", 15),  # as firewalld does
-    # Refused, as by a first host whose torchrun is not up yet: torchrun starts, and is
-    # stopped after 50 s of refusals, before its own wait ends in a traceback.
-    (["reject", "with", "tcp", "reset"], "Connection refused", 50),
-], ids=["drop", "reject", "reset"])
-def test_a_host_cut_off_from_the_rendezvous_fails_in_one_line(cluster, tmp_path, start, verdict, error, seconds):
-    """A firewall on the first host stops the others' packets to the rendezvous port:
-    torchrun there would wait 60 s for its store (100 s where refused), then fail in a
-    traceback."""
+@contextlib.contextmanager
+def firewall_on_the_rendezvous_port(cluster, verdict):
+    """An nft rule on node1: `verdict` for what reaches port 29555 from the bridge."""
     if not shutil.which("nft"):
         skip_or_fail("nft not installed (apt-get install nftables)")
     table = ["inet", "launch_test"]
@@ -508,18 +500,49 @@ def test_a_host_cut_off_from_the_rendezvous_fails_in_one_line(cluster, tmp_path,
                  ["add", "rule", *table, "input", "iifname", "eth0", "tcp", "dport", "29555", *verdict]):
         cluster.run("node1", ["nft", *rule], check=True, timeout=10)
     try:
+        yield
+    finally:
+        cluster.run("node1", ["nft", "delete", "table", *table], check=True, timeout=10)
+
+
+def unreachable_rendezvous_line(cluster, error, seconds):
+    """A pattern for node2's line about the rendezvous, as it prints it."""
+    return (rf"node2: launch.sh: this host cannot reach the rendezvous at "
+            rf"{re.escape(cluster.address('node1'))}:29555, on the first host \({error}, for {seconds} s\): ")
+
+
+@pytest.mark.parametrize("verdict, error", [
+    (["drop"], "timed out"),  # as cloud firewalls do
+    (["reject", "with", "icmp", "type", "host-prohibited"], "No route to host"),  # as firewalld does
+], ids=["drop", "reject"])
+def test_a_host_cut_off_from_the_rendezvous_fails_in_one_line(cluster, tmp_path, start, verdict, error):
+    """A firewall on the first host stops the others' packets to the rendezvous port:
+    torchrun there would wait 60 s for its store, then fail in a traceback."""
+    with firewall_on_the_rendezvous_port(cluster, verdict):
         hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
         began = time.monotonic()
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--port", "29555", hostfile, "1",
-                                    *TRAIN], launch_env(cluster), timeout=seconds + 60)
+                                    *TRAIN], launch_env(cluster), timeout=60)
         assert launch.proc.returncode == 1, launch.err
-        assert time.monotonic() - began < seconds + 15  # the probe's, plus slack
-        assert re.search(r"^  node2: launch.sh: this host cannot reach the rendezvous at "
-                         rf"{re.escape(cluster.address('node1'))}:29555, on the first host \({error}, "
-                         rf"for {seconds} s\)", launch.err, re.M), launch.err
+        assert time.monotonic() - began < 15 + 15  # the probe's 15 s, plus slack
+        assert re.search("^  " + unreachable_rendezvous_line(cluster, error, 15), launch.err, re.M), launch.err
         assert "Traceback" not in launch.out + launch.err
-    finally:
-        cluster.run("node1", ["nft", "delete", "table", *table], check=True, timeout=10)
+    assert_nothing_left(cluster, launch)
+
+
+def test_a_host_refused_by_the_rendezvous_says_so_and_tries_on(cluster, tmp_path, start):
+    """Refused, as by a first host whose torchrun is not listening yet: torchrun starts at
+    once, and after 30 s of refusals the host says why while torchrun tries on (for 100 s
+    or more, then a traceback; test_a_failed_host_shows_launch_shs_lines_above_the_end
+    checks that the summary shows the line)."""
+    with firewall_on_the_rendezvous_port(cluster, ["reject", "with", "tcp", "reset"]):
+        hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
+        launch = start(["--log-dir", tmp_path / "logs", "--port", "29555", hostfile, "1", *TRAIN],
+                       launch_env(cluster))
+        launch.wait_for_output("^" + unreachable_rendezvous_line(cluster, "Connection refused", 30), 60)
+        assert any(argv[1].endswith("/torchrun") for _, argv in cluster.processes("node2") if len(argv) > 1)
+        os.kill(launch.pid, signal.SIGTERM)
+        assert launch.wait(15) == 143, launch.err
     assert_nothing_left(cluster, launch)
 
 
@@ -609,6 +632,19 @@ def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
     assert re.search(r"^launch.sh: node2 failed first \(exit 1\); the end of its log:\n  node2: ",
                      launch.err, re.M), launch.err
     assert_nothing_left(cluster, launch)
+
+
+def test_a_failed_host_shows_launch_shs_lines_above_the_end(tmp_path, start):
+    """What launch.sh's code on a host said, 30 lines and more before the end of its log,
+    still shows in the summary."""
+    torchrun = stand_in_torchrun(tmp_path, "echo 'launch.sh: a word from the host'\nseq 40\nexit 1")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile,
+                                "1", *TRAIN], launch_env(), timeout=30)
+    assert launch.proc.returncode == 1
+    assert launch.err.endswith("the end of its log:\n  localhost: launch.sh: a word from the host\n"
+                               + "".join(f"  localhost: {n}\n" for n in range(21, 41))), launch.err
 
 
 def test_a_failed_host_shows_the_workers_error_not_torchruns_report(tmp_path, start):
