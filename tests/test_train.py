@@ -301,14 +301,14 @@ def torchrun_patched(tmp_path, patch, *args):
 
 
 def test_a_download_longer_than_the_timeout_is_waited_for(mnist_dir, tmp_path):
-    """Rank 1 waits 8 s for rank 0's download with --timeout 3: no collective lasts as long."""
+    """Rank 1 waits 10 s for rank 0's download with --timeout 4: no collective lasts as long."""
     patch = f"""import shutil, time, torchvision
 def slow_download(root, train, download):
-    time.sleep(4)
+    time.sleep(5)
     shutil.copytree({str(mnist_dir)!r}, root, dirs_exist_ok=True)
 torchvision.datasets.MNIST = slow_download"""
     result = torchrun(2, "--arch", "cnn", "--batch-size", "16", "--data", tmp_path / "data",
-                      "--timeout", "3", "--max-steps", "2", script=patched_train(tmp_path, patch),
+                      "--timeout", "4", "--max-steps", "2", script=patched_train(tmp_path, patch),
                       timeout=60)
     assert_ok(result)
     assert "(partial) step 2 train_loss" in result.stdout, result.stdout
