@@ -420,12 +420,10 @@ wait_for_hosts() {
 # or more that would push out the workers' error above them. Above them, the
 # lines launch.sh's code on the host wrote earlier (a rendezvous that refused).
 print_log_end() {
-  local end first
+  local end
   end=$(awk '/^Traceback \(most recent call last\):$/ { start = NR }
     /ChildFailedError/ && start { end = start - 1 } END { print (end > 0 ? end : NR) }' "$1")
-  first=$((end > 20 ? end - 19 : 1))
-  head -n "$((first - 1))" "$1" | grep '^launch\.sh: ' || true
-  head -n "$end" "$1" | tail -n 20
+  awk -v end="$end" 'NR > end { exit } NR > end - 20 || /^launch\.sh: /' "$1"
 }
 
 print_summary() {
