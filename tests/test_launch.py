@@ -15,16 +15,23 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import HIDDEN_GPUS, REPO, load, run, skip_or_fail
+from conftest import HIDDEN_GPUS, REPO, TINY, load, run, skip_or_fail
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
 ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
 LOGIN_SHELLS = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
-LONG_TRAIN = [*TRAIN, "--epochs", "1000", "--log-every", "5"]  # runs until stopped
+UNTIL_STOPPED = ["--epochs", "1000", "--log-every", "5"]
 SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh", "lib/node.sh")
 
 cluster = cluster_fixture(n_hosts=3)
+
+
+@pytest.fixture
+def train(mnist_dir):
+    """train.py and its arguments for a job that trains: conftest's tiny MNIST, which every
+    host reads (they share this machine's filesystem)."""
+    return ["train.py", *TINY, "--data", mnist_dir]
 
 
 def launch_env(cluster=None, **extra):
@@ -204,7 +211,7 @@ def stand_in_torchrun(tmp_path, body):
     return torchrun
 
 
-def test_success_on_three_hosts(cluster, tmp_path, start):
+def test_success_on_three_hosts(cluster, tmp_path, start, train):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
     env_file = tmp_path / "env"
     env_file.write_text("# torchrun logs at INFO, so every host prints something\nLOGLEVEL=INFO\n")
@@ -212,7 +219,7 @@ def test_success_on_three_hosts(cluster, tmp_path, start):
     launch = run_launch(
         start,
         ["--workdir", REPO, "--env-file", env_file, hostfile, "1",
-         *TRAIN, "--epochs", "1", "--max-steps", "6", "--metrics", metrics],
+         *train, "--epochs", "1", "--max-steps", "6", "--metrics", metrics],
         launch_env(cluster), cwd=tmp_path,
     )
     assert launch.proc.returncode == 0, launch.out + launch.err
@@ -574,11 +581,11 @@ def test_a_relative_workdir_is_taken_from_here(tmp_path, start):
     assert f"localhost (local): cd '{REPO / 'tests'}' && " in launch.out
 
 
-def test_localhost_runs_without_ssh(tmp_path, start):
+def test_localhost_runs_without_ssh(tmp_path, start, train):
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
         start,
-        ["--log-dir", tmp_path / "logs", "hosts.txt", "2", *TRAIN, "--epochs", "1", "--max-steps", "4"],
+        ["--log-dir", tmp_path / "logs", "hosts.txt", "2", *train, "--epochs", "1", "--max-steps", "4"],
         launch_env(SSH_COMMAND=ssh_command),
     )
     assert launch.proc.returncode == 0, launch.out + launch.err
@@ -604,12 +611,12 @@ def test_its_output_lost_fails_no_host(tmp_path, redirect):
 
 
 @pytest.mark.parametrize("hosts", [["localhost", "node1"], ["node1", "localhost"]])
-def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
+def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, train, hosts):
     """A local host serves or joins the rendezvous at the address the others see."""
     launch = run_launch(
         start,
         ["--log-dir", tmp_path / "logs", cluster.write_hostfile(tmp_path / "hosts.txt", hosts), "1",
-         *TRAIN, "--epochs", "1", "--max-steps", "4"],
+         *train, "--epochs", "1", "--max-steps", "4"],
         launch_env(cluster),
     )
     assert launch.proc.returncode == 0, launch.out + launch.err
@@ -620,9 +627,9 @@ def test_local_and_remote_hosts_train_together(cluster, tmp_path, start, hosts):
     assert not job_processes(launch)
 
 
-def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start):
+def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start, train):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
-    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *train, *UNTIL_STOPPED], launch_env(cluster))
     launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
     (victim,) = workers(cluster, "node2")
     os.kill(victim, signal.SIGKILL)
@@ -776,11 +783,11 @@ def test_a_stop_shorter_than_the_silence_stops_no_job(tmp_path, start):
 
 
 @pytest.mark.parametrize("cut", ["reset", "silent"])
-def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
+def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, train, cut):
     """node2's SSH connection dies, with a reset (its sshd killed) or silently (its link
     down: no packet passes, and only launch.sh's heartbeat going quiet tells node2)."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
-    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *train, *UNTIL_STOPPED], launch_env(cluster))
     launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
     link = f"{cluster.host('node2').netns}v"  # its end on the bridge
 
@@ -807,21 +814,21 @@ def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, cut):
     assert_nothing_left(cluster, launch)
 
 
-def test_sigterm_stops_every_host(cluster, tmp_path, start):
+def test_sigterm_stops_every_host(cluster, tmp_path, start, train):
     """(A SIGINT: test_ctrl_c_to_the_whole_group_stops_a_local_host.)"""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
-    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *train, *UNTIL_STOPPED], launch_env(cluster))
     launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
     os.kill(launch.pid, signal.SIGTERM)
     assert launch.wait(15) == 143, launch.err
     assert_nothing_left(cluster, launch)
 
 
-def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
+def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start, train):
     """A terminal's Ctrl-C reaches every process of launch.sh's group. The local node runs
     in a session of its own, as a remote one does, and launch.sh stops it."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
-    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *LONG_TRAIN], launch_env(cluster))
+    launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *train, *UNTIL_STOPPED], launch_env(cluster))
     launch.wait_for_output(r"^(localhost|node1): epoch 1/1000 step 5/")  # rank 0 on either
     os.killpg(launch.pid, signal.SIGINT)
     assert launch.wait(15) == 130, launch.err
@@ -831,11 +838,11 @@ def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start):
     assert not job_processes(launch)
 
 
-def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start):
+def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start, train):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
     env_file = tmp_path / "env"
     env_file.write_text("PATH=/venv/bin:$PATH\n")  # taken as written: no tool of the clean-up is on it
-    launch = start(["--log-dir", tmp_path / "logs", "--env-file", env_file, hostfile, "1", *LONG_TRAIN],
+    launch = start(["--log-dir", tmp_path / "logs", "--env-file", env_file, hostfile, "1", *train, *UNTIL_STOPPED],
                    launch_env(cluster))
     launch.wait_for_output(r"^node\d: epoch 1/1000 step 5/")
     os.kill(launch.pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster import cluster_fixture
-from conftest import REPO, assert_ok, metrics, run
+from conftest import REPO, TINY, assert_ok, metrics, run
 
 cluster = cluster_fixture(n_hosts=2)
 README_ADDRESS = "10.0.0.11"
@@ -45,9 +45,8 @@ def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_pat
     words = readme_command()
     assert words[0] == "GLOO_SOCKET_IFNAME=eth0"  # the simulated hosts' interface is eth0
     assert f"--master-addr={README_ADDRESS}" in words and "--node-rank=0" in words
-    results = torchrun_by_hand(cluster, [
-        "--dataset", "mnist", "--no-download", "--data", mnist_dir, "--batch-size", "16",
-        "--max-steps", "3", "--metrics", tmp_path / "m.jsonl"])
+    results = torchrun_by_hand(cluster, [*TINY, "--data", mnist_dir, "--max-steps", "3",
+                                         "--metrics", tmp_path / "m.jsonl"])
     for result in results:
         assert_ok(result)
     (row,) = metrics(tmp_path / "m.jsonl")
@@ -59,7 +58,7 @@ def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_pat
     (None, "is on node2 but not on node1, where global rank 0 runs"),
     (4, "on node2 (step 8) is newer than on node1 (step 4), where global rank 0 runs"),
 ], ids=["none", "older"])
-def test_a_newer_checkpoint_on_another_node_than_rank_0s_stops_the_run(cluster, tmp_path,
+def test_a_newer_checkpoint_on_another_node_than_rank_0s_stops_the_run(cluster, mnist_dir, tmp_path,
                                                                        rank_0s, message):
     """Without a shared filesystem, last.pt is on the node that was rank 0's, or a copy is.
     Where rank 0 runs on a node with none, or an older one, it must neither start over nor
@@ -72,8 +71,8 @@ def test_a_newer_checkpoint_on_another_node_than_rank_0s_stops_the_run(cluster, 
         torch.save({"step": rank_0s}, node1s / "last.pt")
     cluster.run("node1", ["mount", "--bind", node1s, checkpoints], check=True, timeout=10)
     try:
-        results = torchrun_by_hand(cluster, ["--arch", "cnn", "--dataset", "synthetic",
-                                             "--max-steps", "1", "--checkpoint-dir", checkpoints])
+        results = torchrun_by_hand(cluster, [*TINY, "--data", mnist_dir, "--max-steps", "1",
+                                             "--checkpoint-dir", checkpoints])
     finally:
         cluster.run("node1", ["umount", checkpoints], check=True, timeout=10)
     assert results[0].returncode != 0 and results[1].returncode != 0

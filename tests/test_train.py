@@ -13,12 +13,10 @@ import warnings
 import pytest
 import torch
 
-from conftest import HIDDEN_GPUS, REPO, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
+from conftest import HIDDEN_GPUS, REPO, TINY, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
-
-TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
 
 
 def main_in_process(capfd, *argv, backend="gloo"):
