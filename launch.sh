@@ -13,9 +13,10 @@
 # not necessarily follow line order.
 #
 # First every host is checked, in parallel, within 30 s: SSH, bash 4.3+,
-# the directory, torchrun and the script, that the address SSH reached it at
-# is one the other hosts can use (not 127.0.0.1, not another host's), and
-# on the first host that --port is free. If any check fails, nothing starts.
+# the directory, torchrun, a Python 3 (torchrun's, else python3) and the
+# script, that the address SSH reached it at is one the other hosts can use
+# (not 127.0.0.1, not another host's), and on the first host that --port is
+# free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -97,7 +98,7 @@ die() {
 build_command() {
   local i=$1 function=$2 source
   shift 2
-  source="$(declare -f python_beside "$function"); $function \"\$@\""
+  source="$(declare -f torchrun_python "$function"); $function \"\$@\""
   if [[ -n ${local_node[i]} ]]; then
     cmd=(bash -c "$source" launch.sh "$@")
   else

@@ -1,16 +1,21 @@
 # shellcheck shell=bash
 #
 # What launch.sh runs on each host. launch.sh sends a function's source over
-# SSH (declare -f), with python_beside's, and calls it there: check_node in
+# SSH (declare -f), with torchrun_python's, and calls it there: check_node in
 # preflight, run_node for the job. So these functions use no global and no
 # other function of launch.sh.
 
-# Prints the python beside torchrun $1 (as PATH finds it), or python3 if
-# there is none: it runs launch.sh's probes on the hosts, with no torch import.
-python_beside() {
-  local path
+# Prints the Python of torchrun $1 (as PATH finds it), which runs launch.sh's
+# probes on the hosts, with no torch import: the python beside it (a venv's,
+# conda's), else the one its #! line names (pip's: python3.11 -m pip install
+# --user leaves no python beside it), else python3.
+torchrun_python() {
+  local path shebang=''
   path=$(command -v -- "$1") || return 1
-  if [[ -x ${path%/*}/python ]]; then echo "${path%/*}/python"; else echo python3; fi
+  if [[ -x ${path%/*}/python ]]; then echo "${path%/*}/python"; return; fi
+  IFS=' ' read -r shebang _ <"$path" 2>/dev/null || true
+  shebang=${shebang#'#!'}
+  if [[ $shebang == /*/python* && -x $shebang ]]; then echo "$shebang"; else echo python3; fi
 }
 
 # Runs on each host: checks what run_node needs, the directory, torchrun and
@@ -19,18 +24,23 @@ python_beside() {
 # unknown).
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 python
+  echo # ends a line that the host's login scripts may have left open, a banner say
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
     return 1
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
   cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (see --workdir)"; return 1; }
-  if ! python=$(python_beside "$torchrun"); then
+  if ! python=$(torchrun_python "$torchrun"); then
     if [[ $torchrun == /* ]]; then
       echo "fail: no torchrun at $torchrun"
     else
       echo "fail: no $torchrun on this host's PATH (as SSH sets it): give --torchrun an absolute path"
     fi
+    return 1
+  fi
+  if ! "$python" -I -S -c '' 2>/dev/null; then
+    echo "fail: no Python 3 for launch.sh's probes: none beside $torchrun or on its #! line, no python3 on PATH"
     return 1
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
@@ -123,7 +133,7 @@ if error is not None and os.fork() == 0:
         error = reach()
     os._exit(0)
 os.execvp(command[0], command)'
-  # Defined in here because only run_node's source (and python_beside's)
+  # Defined in here because only run_node's source (and torchrun_python's)
   # travels to the host.
   job_pids() {
     grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
@@ -149,7 +159,7 @@ os.execvp(command[0], command)'
   # line sets, and no command line holds their values (`env NAME=VALUE ...`
   # would show them in ps). 2>&1: ssh carries stderr on a channel of its own,
   # and the two would meet again cut mid-line.
-  python=$(python_beside "$1") # on this PATH: an --env-file line may change the job's
+  python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
   (
     for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
     if [[ $rendezvous != - ]]; then exec "$python" -I -S -c "$reach_rendezvous_then_exec" "$rendezvous" "$@"; fi

@@ -341,6 +341,17 @@ def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, star
     assert not cluster.wait_until_idle(0)
 
 
+def test_a_login_banner_without_a_newline_passes_preflight(cluster, tmp_path, start):
+    bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
+    bashrc.write_text("printf 'Loading modules...'\n")
+    try:
+        launch = run_launch(start, ["--dry-run", cluster.write_hostfile(tmp_path / "hosts.txt", ["node1"]),
+                                    "1", *TRAIN], launch_env(cluster), timeout=30)
+    finally:
+        bashrc.unlink()
+    assert launch.proc.returncode == 0, launch.err
+
+
 def test_ssh_config_that_forces_a_terminal(cluster, tmp_path, start):
     config = tmp_path / "ssh_config"
     config.write_text(f"RequestTTY force\nInclude {cluster.ssh_config}\n")
@@ -395,6 +406,39 @@ def test_a_pyenv_shim_is_resolved_to_the_torchrun_it_stands_for(tmp_path, start)
     launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], env, timeout=30)
     assert launch.proc.returncode == 0, launch.err
     assert f"&& '{real}' '--nnodes=1'" in launch.out, launch.out
+
+
+@pytest.mark.parametrize("first_line, problem", [
+    (f"#!{sys.executable}", None),  # pip's torchrun, with no python beside it
+    ("#!/bin/sh", "no Python 3 for launch.sh's probes: none beside {torchrun} or on its #! line, "
+                  "no python3 on PATH"),
+], ids=["pip", "none"])
+def test_preflight_finds_torchruns_python_on_a_host_without_python3(tmp_path, start, first_line, problem):
+    """The probes run on torchrun's own Python where no python3 is on the host's PATH (as
+    after python3.11 -m pip install --user torch on RHEL 8), and preflight says so where
+    there is none at all."""
+    torchrun = tmp_path / "pip" / "torchrun"
+    torchrun.parent.mkdir()
+    torchrun.write_text(f"{first_line}\n")
+    torchrun.chmod(0o755)
+    tools = tmp_path / "tools"  # all that the host's PATH holds
+    tools.mkdir()
+    for tool in ("bash", "base64"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    ssh = tmp_path / "ssh-to-a-host-without-python3"
+    ssh.write_text('#!/usr/bin/env bash\n'
+                   'export SSH_CONNECTION="10.9.0.1 40000 10.9.0.4 22"\n'
+                   f'PATH={tools} exec /bin/sh -c "${{*: -1}}"\n')
+    ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("host\n")
+    launch = run_launch(start, ["--dry-run", "--torchrun", torchrun, hostfile, "1", *TRAIN],
+                        launch_env(SSH_COMMAND=str(ssh)), timeout=30)
+    if problem is None:
+        assert launch.proc.returncode == 0, launch.err
+    else:
+        assert launch.proc.returncode == 1, launch.err
+        assert launch.err.splitlines()[1:] == ["  host  " + problem.format(torchrun=torchrun)], launch.err
 
 
 @pytest.mark.parametrize("name", [socket.gethostname(), "127.0.0.1", "\ufefflocalhost"],
