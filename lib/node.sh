@@ -62,7 +62,7 @@ check_node() {
 # reach this one; RENDEZVOUS is the first host's ADDRESS:PORT, or "-" on it.
 run_node() {
   local job=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5 entries=() entry interface torchrun_pid
-  local python reader silent status signal parent
+  local python reader silent status signal parent message=''
   shift 5
   while :; do
     IFS= read -r -d '' entry || return 143 # launch.sh is gone already
@@ -135,36 +135,48 @@ if error is not None and os.fork() == 0:
 os.execvp(command[0], command)'
   # Defined in here because only run_node's source (and torchrun_python's)
   # travels to the host.
-  job_pids() {
-    grep -lsxzF "LAUNCH_JOB=$job" /proc/[0-9]*/environ | cut -d/ -f3
+  marked_pids() {
+    grep -lsxzF "$1" /proc/[0-9]*/environ | cut -d/ -f3
   }
-  signal_job() {
+  signal_marked() {
     local pids
-    mapfile -t pids < <(job_pids)
-    if ((${#pids[@]})); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
+    mapfile -t pids < <(marked_pids "$1")
+    if ((${#pids[@]})); then kill -s "$2" "${pids[@]}" 2>/dev/null || true; fi
   }
   # SIGTERM, 5 s for the workers to end, then SIGKILL. torchrun itself, their
   # parent, would then spend seconds closing the rendezvous; as the whole job
   # is ending, nobody needs that.
   stop_job() {
-    signal_job TERM
+    signal_marked "LAUNCH_JOB=$job" TERM
     for _ in {1..25}; do
-      job_pids | grep -qvxF "$torchrun_pid" || break # none left but torchrun
+      marked_pids "LAUNCH_JOB=$job" | grep -qvxF "$torchrun_pid" || break # none left but torchrun
       sleep 0.2
     done
-    signal_job KILL
+    signal_marked "LAUNCH_JOB=$job" KILL
+  }
+  # The relay ends once the last of the job's processes is gone; if one lives
+  # on after 1 s (one that left the mark behind, or no signal ends: stuck in
+  # the kernel on a hung mount or GPU), the relay is ended, so that ssh's
+  # session, and launch.sh, need not wait for it.
+  end_relay() {
+    for _ in {1..5}; do
+      [[ -n $(marked_pids "LAUNCH_RELAY=$job") ]] || return 0
+      sleep 0.2
+    done
+    signal_marked "LAUNCH_RELAY=$job" KILL
   }
   # Exported in a subshell that becomes torchrun: the entries reach the job
   # only, so this shell keeps its PATH for the clean-up whatever an --env-file
   # line sets, and no command line holds their values (`env NAME=VALUE ...`
   # would show them in ps). 2>&1: ssh carries stderr on a channel of its own,
-  # and the two would meet again cut mid-line.
+  # and the two would meet again cut mid-line. Both go through a relay, the
+  # only holder of this host's output once this shell is done.
   python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
   (
     for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
     if [[ $rendezvous != - ]]; then exec "$python" -I -S -c "$reach_rendezvous_then_exec" "$rendezvous" "$@"; fi
     exec "$@"
-  ) </dev/null 2>&1 &
+  ) </dev/null > >(LAUNCH_RELAY="$job" exec cat) 2>&1 &
   torchrun_pid=$!
   # The reader ends when stdin closes or stays silent, and then this shell
   # stops the job; if this shell is gone (a kill -9), the reader does. It holds
@@ -202,10 +214,12 @@ os.execvp(command[0], command)'
   else
     wait "$torchrun_pid" || status=$?
     if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)
-      echo "launch.sh: torchrun was killed by SIG$signal (status $status)"
+      message="launch.sh: torchrun was killed by SIG$signal (status $status)"
     fi
-    signal_job KILL # what torchrun left behind
+    signal_marked "LAUNCH_JOB=$job" KILL # what torchrun left behind
   fi
   kill "$reader" 2>/dev/null || true
+  end_relay
+  if [[ -n $message ]]; then echo "$message"; fi # after the job's last lines
   return "$status"
 }

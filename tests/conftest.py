@@ -17,8 +17,8 @@ TRAIN = REPO / "train.py"
 # The tests are of the CPU and gloo path. On a GPU machine, torch would pick nccl, which
 # gives no two ranks the same GPU, so the runs the tests start see no GPU.
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
-# train.py on the tiny MNIST of mnist_dir (add --data): a run of a few steps starts and
-# evaluates in a fraction of the time the synthetic set's 70,000 samples take.
+# train.py on the tiny MNIST of mnist_dir (add --data): a run of a few steps on 2 ranks takes
+# a quarter less CPU than on the synthetic set's 70,000 samples (measured 13.4 vs 18.3 CPU-s).
 TINY = ["--arch", "cnn", "--dataset", "mnist", "--no-download", "--batch-size", "16"]
 
 

@@ -735,6 +735,27 @@ def test_a_killed_torchrun_is_told_in_one_line(tmp_path, start):
                                "  localhost: launch.sh: torchrun was killed by SIGKILL (status 137)\n"), launch.err
 
 
+def test_a_process_left_holding_the_output_keeps_no_host_waiting(tmp_path, start):
+    """A process of the job that the clean-up cannot end (one that dropped the mark, as here,
+    or one stuck in the kernel, which no signal ends) still holds the job's output: the
+    host's part ends regardless, and launch.sh with it."""
+    orphan = tmp_path / "orphan.pid"
+    torchrun = stand_in_torchrun(tmp_path, f"env -u LAUNCH_JOB sleep 60 &\necho $! > {orphan}\n"
+                                           "echo 'worker failed'\nexit 1")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    try:
+        began = time.monotonic()
+        launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1",
+                                    *TRAIN], launch_env(), timeout=30)
+        assert launch.proc.returncode == 1, launch.err
+        assert time.monotonic() - began < 10
+        assert "localhost: worker failed" in launch.out, launch.out
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(orphan.read_text()), signal.SIGKILL)
+
+
 def process_state(pid):
     fields = stat_fields(pid)
     return fields[0] if fields else None
