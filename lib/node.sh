@@ -61,7 +61,8 @@ check_node() {
 # its workers in sessions of their own). ADDRESS is where the other hosts
 # reach this one; RENDEZVOUS is the first host's ADDRESS:PORT, or "-" on it.
 run_node() {
-  local job=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5 entries=() entry interface torchrun_pid
+  local job_mark=LAUNCH_JOB=$1 relay_mark=LAUNCH_RELAY=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5
+  local entries=() entry interface torchrun_pid
   local python reader silent status signal parent message=''
   shift 5
   while :; do
@@ -147,12 +148,12 @@ os.execvp(command[0], command)'
   # parent, would then spend seconds closing the rendezvous; as the whole job
   # is ending, nobody needs that.
   stop_job() {
-    signal_marked "LAUNCH_JOB=$job" TERM
+    signal_marked "$job_mark" TERM
     for _ in {1..25}; do
-      marked_pids "LAUNCH_JOB=$job" | grep -qvxF "$torchrun_pid" || break # none left but torchrun
+      marked_pids "$job_mark" | grep -qvxF "$torchrun_pid" || break # none left but torchrun
       sleep 0.2
     done
-    signal_marked "LAUNCH_JOB=$job" KILL
+    signal_marked "$job_mark" KILL
   }
   # The relay ends once the last of the job's processes is gone; if one lives
   # on after 1 s (one that left the mark behind, or no signal ends: stuck in
@@ -160,10 +161,10 @@ os.execvp(command[0], command)'
   # session, and launch.sh, need not wait for it.
   end_relay() {
     for _ in {1..5}; do
-      [[ -n $(marked_pids "LAUNCH_RELAY=$job") ]] || return 0
+      [[ -n $(marked_pids "$relay_mark") ]] || return 0
       sleep 0.2
     done
-    signal_marked "LAUNCH_RELAY=$job" KILL
+    signal_marked "$relay_mark" KILL
   }
   # Exported in a subshell that becomes torchrun: the entries reach the job
   # only, so this shell keeps its PATH for the clean-up whatever an --env-file
@@ -173,10 +174,10 @@ os.execvp(command[0], command)'
   # only holder of this host's output once this shell is done.
   python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
   (
-    for entry in "${entries[@]}" LAUNCH_JOB="$job"; do export "${entry?}" || exit 1; done
+    for entry in "${entries[@]}" "$job_mark"; do export "${entry?}" || exit 1; done
     if [[ $rendezvous != - ]]; then exec "$python" -I -S -c "$reach_rendezvous_then_exec" "$rendezvous" "$@"; fi
     exec "$@"
-  ) </dev/null > >(LAUNCH_RELAY="$job" exec cat) 2>&1 &
+  ) </dev/null > >(export "${relay_mark?}" && exec cat) 2>&1 &
   torchrun_pid=$!
   # The reader ends when stdin closes or stays silent, and then this shell
   # stops the job; if this shell is gone (a kill -9), the reader does. It holds
@@ -216,7 +217,7 @@ os.execvp(command[0], command)'
     if ((status > 128)) && signal=$(kill -l "$status"); then # (or it exited so: bash cannot tell)
       message="launch.sh: torchrun was killed by SIG$signal (status $status)"
     fi
-    signal_marked "LAUNCH_JOB=$job" KILL # what torchrun left behind
+    signal_marked "$job_mark" KILL # what torchrun left behind
   fi
   kill "$reader" 2>/dev/null || true
   end_relay

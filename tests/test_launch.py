@@ -423,17 +423,12 @@ def test_preflight_finds_torchruns_python_on_a_host_without_python3(tmp_path, st
     torchrun.chmod(0o755)
     tools = tmp_path / "tools"  # all that the host's PATH holds
     tools.mkdir()
-    for tool in ("bash", "base64"):
+    for tool in ("bash", "base64", "sh"):
         (tools / tool).symlink_to(shutil.which(tool))
-    ssh = tmp_path / "ssh-to-a-host-without-python3"
-    ssh.write_text('#!/usr/bin/env bash\n'
-                   'export SSH_CONNECTION="10.9.0.1 40000 10.9.0.4 22"\n'
-                   f'PATH={tools} exec /bin/sh -c "${{*: -1}}"\n')
-    ssh.chmod(0o755)
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("host\n")
     launch = run_launch(start, ["--dry-run", "--torchrun", torchrun, hostfile, "1", *TRAIN],
-                        launch_env(SSH_COMMAND=str(ssh)), timeout=30)
+                        launch_env(SSH_COMMAND=f"env PATH={tools} {ssh_here(tmp_path)}"), timeout=30)
     if problem is None:
         assert launch.proc.returncode == 0, launch.err
     else:
