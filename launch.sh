@@ -46,10 +46,12 @@
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
 #
 # If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C or
-# SIGTERM stops the job everywhere (exit 130 or 143). If launch.sh dies, each
-# host stops its part of the job as soon as its SSH input closes; cut off
-# from launch.sh by the network, or with launch.sh stopped (Ctrl-Z), after
-# 30 s without a word from it.
+# SIGTERM stops the job everywhere (exit 130 or 143). A second one, or 30 s
+# of stopping that some host has not finished, ends the wait: launch.sh says
+# which hosts it left, where part of the job may run on. If launch.sh dies,
+# each host stops its part of the job as soon as its SSH input closes; cut
+# off from launch.sh by the network, or with launch.sh stopped (Ctrl-Z),
+# after 30 s without a word from it.
 
 if [ -z "${BASH_VERSION:-}" ] || shopt -oq posix; then # sh launch.sh: not bash, or bash as sh
   echo "launch.sh: run it with bash, not sh" >&2
@@ -76,6 +78,11 @@ readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount 
 # this script for gone, as when its stdin closes: a network cut off without
 # a reset closes no connection, and the host's sshd would never notice.
 readonly HEARTBEAT_SECONDS=5 SILENCE_SECONDS=30
+# A host stops its part in 6 s at most (its workers get 5 s), and ssh gives up
+# on a host that stopped answering after 15 s. One still busy after
+# STOP_SECONDS is stuck (its clean-up on a hung mount, say): this script
+# leaves it rather than wait for ever.
+readonly STOP_SECONDS=30
 # This script also counts time in polls, each a read -t of POLL_SECONDS,
 # whose length no step of the wall clock changes. Bash's SECONDS follows the
 # wall clock: stepped back by NTP, it would hold the heartbeat back as long.
@@ -309,7 +316,7 @@ take_stdin() {
 # Runs host number $1's part of the job, in a subshell of its own, with its
 # output in its log and here, each line prefixed with the host.
 run_host() {
-  local i=$1 rendezvous
+  local i=$1 rendezvous stderr
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
   # whole group: this script stops the host, by closing its stdin. Killed by
   # them, the pipe would lose the host's last output. (Bash ignores them in
@@ -325,9 +332,11 @@ run_host() {
   # workers, each of which would print a KeyboardInterrupt traceback.
   if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
-  # must not fail a job that ran (tee says so, and goes on).
+  # must not fail a job that ran (tee says so, and goes on). Only bash's own
+  # stderr is silenced: it reports the programs leave_hosts kills.
   set +o pipefail
-  "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
+  exec {stderr}>&2 2>/dev/null
+  "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" | prefix_lines "${labels[i]}"
   return "${PIPESTATUS[0]}"
 }
 
@@ -356,7 +365,7 @@ start_hosts() {
   trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
   trap '' PIPE # a host that is already gone must not kill this script
-  if [[ -n $signal_status ]]; then stop_hosts; fi
+  if [[ -n $signal_status ]]; then stop_on_signal; fi
 }
 
 # Closes host number $1's stdin, which stops it, if this script still holds it.
@@ -377,19 +386,52 @@ send_heartbeat() {
   for fd in "${write_fds[@]}"; do printf '\0' 2>/dev/null 1>&"$fd" || true; done
 }
 
+# The first signal stops the hosts; a second leaves them (see leave_hosts).
 on_signal() {
-  signal_status=${signal_status:-$1}
+  if [[ -n $signal_status ]]; then
+    leaving="at a second signal"
+  else
+    signal_status=$1
+    stop_on_signal
+  fi
+}
+
+stop_on_signal() {
+  echo "launch.sh: stopping the job on every host (signal again to stop waiting)" >&2 || true
   stop_hosts
+}
+
+# Stops waiting for the hosts still running: kills the programs of each one's
+# pipeline here (ssh, or a local host's shell, and tee and prefix_lines),
+# which would otherwise write here after this script is gone; its run_host
+# then ends. (pkill -P: bash knows no pid of a pipeline's programs.) Part of
+# the job may live on there.
+leave_hosts() {
+  local pid i
+  for pid in "${!running[@]}"; do
+    i=${running[$pid]}
+    pkill -KILL -P "$pid" 2>/dev/null || true
+    statuses[i]=-
+    durations[i]=$((SECONDS - started[i]))
+    left[i]=yes
+  done
+  running=()
 }
 
 # Waits for every host; on the first failure, stops the others. Polls rather
 # than `wait -n -p`, which needs bash 5.1 (RHEL 8 has 4.4): `wait PID` still
 # gives the status of a process that is gone.
 wait_for_hosts() {
-  local pid i status polls=0 heartbeat_polls=0 heartbeat_seconds=$SECONDS
+  local pid i status polls=0 heartbeat_polls=0 heartbeat_seconds=$SECONDS stop_polls=0
   while ((${#running[@]})); do
+    if ((stop_polls > STOP_SECONDS * POLLS_PER_SECOND)); then leaving="after $STOP_SECONDS s of stopping"; fi
+    if [[ -n $leaving ]]; then
+      leave_hosts
+      break
+    fi
     poll_pause
     polls=$((polls + 1))
+    if [[ -n $stopping ]]; then stop_polls=$((stop_polls + 1)); fi
     # Due by either count: the polls hold when the wall clock steps back,
     # SECONDS when this script was stopped (Ctrl-Z) and polled nothing.
     if ((polls - heartbeat_polls >= HEARTBEAT_SECONDS * POLLS_PER_SECOND
@@ -428,13 +470,13 @@ print_log_end() {
 }
 
 print_summary() {
-  local i why
+  local i why names=()
   {
     echo "launch.sh: job $job_id, logs in $log_dir/"
     printf '  %-*s  %-4s  %s\n' "$label_width" HOST EXIT SECONDS
     for i in "${!labels[@]}"; do
-      printf '  %-*s  %-4s  %s%s\n' "$label_width" "${labels[i]}" "${statuses[i]}" \
-        "${durations[i]}" "${stopped[i]:+  (stopped by launch.sh)}"
+      printf '  %-*s  %-4s  %s%s%s\n' "$label_width" "${labels[i]}" "${statuses[i]}" \
+        "${durations[i]}" "${stopped[i]:+  (stopped by launch.sh)}" "${left[i]:+  (left stopping)}"
     done
     if [[ -n $first_failure ]]; then
       i=$first_failure
@@ -446,6 +488,11 @@ print_summary() {
       echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
       print_log_end "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
     fi
+    if ((${#left[@]})); then
+      for i in "${!left[@]}"; do names+=("${labels[i]}"); done
+      echo "launch.sh: left ${names[*]} still stopping, $leaving; part of the job may run on" \
+        "there: 'grep -lzF LAUNCH_JOB=$job_id/ /proc/*/environ' lists its processes"
+    fi
   } >&2
 }
 
@@ -455,7 +502,7 @@ main() {
   local dry_run='' hostfile nproc script script_args=() size job_id cmd=() node_args=() i
   local labels=() destinations=() ports=() local_node=() addresses=() env_entries=()
   local ssh_command=() write_fds=() read_fds=() started=() statuses=() durations=() stopped=()
-  local stopping='' first_failure='' signal_status='' label_width
+  local left=() stopping='' leaving='' first_failure='' signal_status='' label_width
   local -A running=()
 
   while (($#)); do

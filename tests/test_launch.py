@@ -83,6 +83,14 @@ class Launch:
                 pytest.fail(f"no {pattern!r} in the output\n{self.out}\n{self.err}")
             time.sleep(0.2)
 
+    def wait_for_output_on_stderr(self, text, timeout=10):
+        deadline = time.monotonic() + timeout
+        while text not in self.err:
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no {text!r} on stderr\n{self.out}\n{self.err}")
+            time.sleep(0.1)
+
     def job_id(self):
         return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
 
@@ -171,9 +179,11 @@ def workers(cluster, host):
 def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
-    tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, and h1, h2, ...
-    are at 10.9.1.1, 10.9.1.2, ... and see this machine at 127.0.0.1: a rendezvous here,
-    which each host tries as it starts, is reached without a packet leaving it."""
+    tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, "hung" never ends
+    once its part of a job has (as where a hung mount holds the clean-up; its preflight,
+    whose stdin is not a pipe, ends), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
+    see this machine at 127.0.0.1: a rendezvous here, which each host tries as it starts,
+    is reached without a packet leaving it."""
     script = tmp_path / "ssh-here"
     script.write_text(
         '#!/usr/bin/env bash\n'
@@ -186,6 +196,7 @@ def ssh_here(tmp_path):
         '  h[0-9]*) export SSH_CONNECTION="127.0.0.1 40000 10.9.1.${host#h} 22" ;;\n'
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
+        'if [[ $host == hung && -p /dev/stdin ]]; then sh -c "${*: -1}"; exec sleep 600; fi\n'
         'exec sh -c "${*: -1}"\n'
     )
     script.chmod(0o755)
@@ -1104,3 +1115,33 @@ def test_signal_to_the_whole_group_while_hosts_start(tmp_path, start, signum, st
     os.kill(launch.pid, signal.SIGCONT)
     assert launch.wait(20) == status, launch.err
     assert re.search(r"HOST +EXIT", launch.err), launch.err  # the summary: it waited for the hosts
+
+
+@pytest.mark.parametrize("second_ctrl_c", [True, False])
+def test_a_host_that_never_ends_its_stop_is_left_with_a_word(tmp_path, start, second_ctrl_c):
+    """Ctrl-C, and a host that does not end (stuck on a hung mount, say): a second Ctrl-C,
+    or 30 s, ends the wait, and launch.sh leaves nothing of its own behind."""
+    launch = start_a_sleeping_job(tmp_path, start, host="hung",
+                                  env=launch_env(SSH_COMMAND=ssh_here(tmp_path)))
+    os.killpg(launch.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    launch.wait_for_output_on_stderr("stopping the job on every host")
+    deadline = time.monotonic() + 10
+    while job_processes(launch) and time.monotonic() < deadline:  # the host's part stops ...
+        time.sleep(0.2)
+    assert not job_processes(launch)
+    assert launch.proc.poll() is None  # ... but its "ssh" never ends
+    if second_ctrl_c:
+        os.killpg(launch.pid, signal.SIGINT)
+    began = time.monotonic()
+    assert launch.wait(40) == 130, launch.err
+    waited = time.monotonic() - began
+    assert waited < 2 if second_ctrl_c else 20 < waited < 31, waited
+    leaving = "at a second signal" if second_ctrl_c else "after 30 s of stopping"
+    assert re.search(r"^  hung +- +\d+  \(left stopping\)$", launch.err, re.M), launch.err
+    assert launch.err.endswith(
+        f"launch.sh: left hung still stopping, {leaving}; part of the job may run on there: "
+        f"'grep -lzF LAUNCH_JOB={launch.job_id()}/ /proc/*/environ' lists its processes\n"), launch.err
+    deadline = time.monotonic() + 5
+    while session_processes(launch.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a host's run_host ends once its programs are killed
+    assert not session_processes(launch.pid)  # its "ssh", tee and prefix_lines are gone
