@@ -512,7 +512,9 @@ def host_command(host, argv):
     ssh = os.environ.get("SSH_COMMAND", "ssh").split()
     # -T: no terminal, even where ~/.ssh/config forces one: the report streams through
     # stdin, and a node stops when stdin ends, which a terminal never says.
-    options = ["-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
+    # ClearAllForwardings: a port forwarded there may be taken by the user's own session.
+    options = ["-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
+               "-o", "ClearAllForwardings=yes"]
     if host.port:
         options += ["-p", host.port]
     forwarded = [f"{k}={v}" for k, v in sorted(os.environ.items()) if FORWARDED.fullmatch(k)]

@@ -78,8 +78,10 @@ create_key() {
 ssh_for() {
   local i=$1
   shift
+  # ClearAllForwardings: a port forwarded in ~/.ssh/config may be taken by the
+  # user's own session.
   cmd=("${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
-    ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
+    -o ClearAllForwardings=yes ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 
 install_key() {

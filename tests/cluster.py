@@ -166,6 +166,16 @@ class Cluster:
         as in every test run (launch.sh and check_env.py forward that to the hosts)."""
         return {**os.environ, "SSH_COMMAND": self.ssh_command, **HIDDEN_GPUS, **extra}
 
+    @contextlib.contextmanager
+    def ssh_forwarding_a_port_in_use(self, config, first_lines=""):
+        """An SSH_COMMAND for this cluster whose config (written to path config, after
+        first_lines) forwards a port that is in use, under ExitOnForwardFailure: as in a
+        ~/.ssh/config that forwards Jupyter's port, while the user's own session holds it."""
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            Path(config).write_text(f"{first_lines}LocalForward 127.0.0.1:{taken.getsockname()[1]} 127.0.0.1:22\n"
+                                    f"ExitOnForwardFailure yes\nInclude {self.ssh_config}\n")
+            yield f"ssh -F {config}"
+
     def write_hostfile(self, path, hosts=None):
         """Write a hosts file listing hosts (default: all) one per line."""
         Path(path).write_text("".join(f"{h}\n" for h in hosts or self.hosts))

@@ -419,7 +419,7 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     argv = check_env.host_command(host, ["/opt/my python/bin/python", "-", "--json"])
     assert argv == [
         "ssh", "-F", "./cluster_ssh_config", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
-        "-p", "2222", "--", "me@node2", "exec '/opt/my python/bin/python' - --json",
+        "-o", "ClearAllForwardings=yes", "-p", "2222", "--", "me@node2", "exec '/opt/my python/bin/python' - --json",
     ]  # fmt: skip
     local = check_env.Host("localhost", None, "localhost", None, True)
     assert check_env.host_command(local, ["python", "-"]) == ["python", "-"]

@@ -31,12 +31,14 @@ def problem_lines(stdout):
 
 
 def test_hosts_gathers_real_reports(cluster, tmp_path):
+    """(Through an ssh config that forwards a port in use, which must not matter.)"""
     import torch
 
     # localhost is checked here without ssh, and shares the cluster's subnet through its bridge.
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", *cluster.hosts[:2]])
-    result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120,
-                           env=cluster.env(NCCL_DEBUG="WARN", MASTER_PORT="1234"))
+    with cluster.ssh_forwarding_a_port_in_use(tmp_path / "ssh_config") as ssh:
+        result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120,
+                               env=cluster.env(NCCL_DEBUG="WARN", MASTER_PORT="1234", SSH_COMMAND=ssh))
     assert result.returncode == 0, result.stdout + result.stderr
     reports = json.loads(result.stdout)["hosts"]
     assert list(reports) == ["localhost", *cluster.hosts[:2]]

@@ -363,12 +363,11 @@ def test_a_login_banner_without_a_newline_passes_preflight(cluster, tmp_path, st
     assert launch.proc.returncode == 0, launch.err
 
 
-def test_ssh_config_that_forces_a_terminal(cluster, tmp_path, start):
-    config = tmp_path / "ssh_config"
-    config.write_text(f"RequestTTY force\nInclude {cluster.ssh_config}\n")
+def test_ssh_config_that_forces_a_terminal_and_forwards_a_port_in_use(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
-    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN],
-                        launch_env(cluster, SSH_COMMAND=f"ssh -F {config}"), timeout=30)
+    with cluster.ssh_forwarding_a_port_in_use(tmp_path / "ssh_config", "RequestTTY force\n") as ssh:
+        launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(cluster, SSH_COMMAND=ssh),
+                            timeout=30)
     assert launch.proc.returncode == 0, launch.err
     assert re.search(rf"'--rdzv-endpoint={cluster.address('node1')}:\d+' ", launch.out), launch.out
 
