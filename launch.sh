@@ -12,11 +12,13 @@
 # here without SSH. Node ranks come from torchrun's c10d rendezvous and do
 # not necessarily follow line order.
 #
-# First every host is checked, in parallel, within 30 s: SSH, bash 4.3+,
-# the directory, torchrun, a Python 3 (torchrun's, else python3) and the
-# script, that the address SSH reached it at is one the other hosts can use
-# (not 127.0.0.1, not another host's), and on the first host that --port is
-# free. If any check fails, nothing starts.
+# First every host is checked within 30 s, the first alone and then the
+# others in parallel (so that a ControlMaster the first check opens, to a
+# bastion say, serves them all): SSH, bash 4.3+, the directory, torchrun, a
+# Python 3 (torchrun's, else python3) and the script, that the address SSH
+# reached it at is one the other hosts can use (not 127.0.0.1, not another
+# host's), and on the first host that --port is free. If any check fails,
+# nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -75,6 +77,11 @@ readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVI
 readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5
   -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ClearAllForwardings=yes)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
+# The first host's check runs alone for up to FIRST_ALONE_SECONDS. Its ssh may
+# open a ControlMaster (to a bastion, say) that every later ssh call then
+# shares; started all at once, each would open a connection of its own, and
+# more than 10 at a time exceed sshd's default MaxStartups, which drops some.
+readonly FIRST_ALONE_SECONDS=5
 # While the job runs, this script writes a NUL to every host's stdin every
 # HEARTBEAT_SECONDS. A host that hears nothing for SILENCE_SECONDS takes
 # this script for gone, as when its stdin closes: a network cut off without
@@ -146,27 +153,36 @@ poll_pause() {
   read -r -t "$POLL_SECONDS" -u "$idle_fd" _ || true # nothing ever writes to it
 }
 
-# Runs check_node on every host in parallel, each into $tmp/preflight.N. Cuts
-# off the hosts that have not answered after PREFLIGHT_SECONDS and marks them
-# in timed_out.
+# Starts check_node on host number $1, into $tmp/preflight.$1.
+start_check() {
+  local node_port=-
+  if (($1 == 0)); then node_port=${port:-free}; fi
+  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port"
+  "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 </dev/null &
+  pending[$!]=$1
+}
+
+# Runs check_node on every host: the first, then (once it has answered, or
+# after FIRST_ALONE_SECONDS) the others in parallel. Cuts off the hosts that
+# have not answered after PREFLIGHT_SECONDS and marks them in timed_out.
 run_checks() {
-  local i node_port pid polls_left=$((PREFLIGHT_SECONDS * POLLS_PER_SECOND))
+  local i pid polls=0 others_started=''
   local -A pending=() # pid -> host number
-  for i in "${!labels[@]}"; do
-    node_port=-
-    if ((i == 0)); then node_port=${port:-free}; fi
-    build_command "$i" check_node "$workdir" "$torchrun" "$script" "$node_port"
-    "${cmd[@]}" >"$tmp/preflight.$i" 2>&1 </dev/null &
-    pending[$!]=$i
-  done
   trap 'stop_checks 130' INT
   trap 'stop_checks 143' TERM
+  start_check 0
   while :; do
     for pid in "${!pending[@]}"; do
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
     done
-    if ((${#pending[@]} == 0 || polls_left-- == 0)); then break; fi
+    if [[ -z $others_started ]] \
+      && ((${#pending[@]} == 0 || polls == FIRST_ALONE_SECONDS * POLLS_PER_SECOND)); then
+      for ((i = 1; i < ${#labels[@]}; i++)); do start_check "$i"; done
+      others_started=yes
+    fi
+    if ((${#pending[@]} == 0 || polls == PREFLIGHT_SECONDS * POLLS_PER_SECOND)); then break; fi
     poll_pause
+    polls=$((polls + 1))
   done
   if ((${#pending[@]})); then
     for pid in "${!pending[@]}"; do timed_out[${pending[$pid]}]=yes; done

@@ -372,6 +372,28 @@ def test_ssh_config_that_forces_a_terminal_and_forwards_a_port_in_use(cluster, t
     assert re.search(rf"'--rdzv-endpoint={cluster.address('node1')}:\d+' ", launch.out), launch.out
 
 
+def test_one_connection_to_a_bastion_serves_the_whole_launch(cluster, tmp_path, start):
+    """Through a bastion with a ControlMaster (as the README advises), the first host's check
+    opens the master before the others start: all at once, each would open a connection of
+    its own, and more than sshd's MaxStartups (10) drop some ("kex_exchange_identification")."""
+    bastion_log = cluster.host("node1").dir / "sshd.log"
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {cluster.ssh_config}\nHost node2 node3\n  ProxyJump node1\nHost node1\n  BatchMode yes\n"
+                      f"  ControlMaster auto\n  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
+    ssh = f"ssh -F {config}"
+    torchrun = stand_in_torchrun(tmp_path, "echo started")
+    accepted_before = bastion_log.read_text().count("Accepted publickey")
+    try:
+        launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
+                                    cluster.write_hostfile(tmp_path / "hosts.txt", ["node2", "node3"]), "1", *TRAIN],
+                            launch_env(cluster, SSH_COMMAND=ssh), timeout=60)
+        assert launch.proc.returncode == 0, launch.err
+        assert sorted(re.findall(r"^(node\d): started$", launch.out, re.M)) == ["node2", "node3"], launch.out
+        assert bastion_log.read_text().count("Accepted publickey") - accepted_before == 1
+    finally:
+        run([*ssh.split(), "-O", "exit", "node1"], timeout=10)  # the master
+
+
 def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
     """A local first host serves the rendezvous on the address the others see."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
@@ -1040,8 +1062,10 @@ def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_addres
 
 
 def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
+    """The first host, whose check runs alone at first, never answers: the others are
+    checked after 5 s all the same."""
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("fine\nstuck\n")
+    hostfile.write_text("stuck\nfine\n")
     began = time.monotonic()
     launch = run_launch(
         start, ["--workdir", REPO, hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
