@@ -31,8 +31,7 @@
 #   --workdir DIR     directory to run in on every host (default: this one;
 #                     a relative DIR is taken from this one)
 #   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
-#                     (no $VAR expansion, no quote removal; 4 KiB in all
-#                     with the forwarded variables)
+#                     (no $VAR expansion, no quote removal)
 #   --port PORT       rendezvous port on the first host (default: a free one)
 #   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
 #   --dry-run         check the hosts, print each host's command, start nothing
@@ -96,7 +95,6 @@ readonly STOP_SECONDS=30
 # whose length no step of the wall clock changes. Bash's SECONDS follows the
 # wall clock: stepped back by NTP, it would hold the heartbeat back as long.
 readonly POLL_SECONDS=0.2 POLLS_PER_SECOND=5
-readonly MAX_ENV_BYTES=4096 # what any pipe holds: at least a page on Linux, 8 KiB on macOS
 # SCRIPT's arguments reach each host quoted and base64-encoded, in the one
 # argument of its login shell's -c, which Linux caps at 128 KiB.
 readonly MAX_ARGS_BYTES=65536
@@ -125,7 +123,7 @@ build_command() {
 
 # Fills env_entries with what every host gets in its environment.
 collect_env() {
-  local name line n=0 size
+  local name line n=0
   env_entries=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) # a fresh store per restart round
   while IFS= read -r name; do
     if [[ $name =~ $FORWARDED ]]; then env_entries+=("$name=${!name}"); fi
@@ -140,11 +138,6 @@ collect_env() {
       env_entries+=("$line")
     done <"$env_file"
   fi
-  # start_hosts writes them into each host's pipe before the host starts:
-  # more than the pipe holds would block it there.
-  size=$(($(printf '%s\0' "${env_entries[@]}" '' | wc -c))) # $((...)): BSD wc pads with spaces
-  ((size <= MAX_ENV_BYTES)) \
-    || die "the variables for the hosts (forwarded and --env-file) take $size bytes; at most $MAX_ENV_BYTES fit"
 }
 
 # Sleeps POLL_SECONDS in this shell. The program sleep would put this
@@ -351,10 +344,14 @@ run_host() {
   if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
   # must not fail a job that ran (tee says so, and goes on). Only bash's own
-  # stderr is silenced: it reports the programs leave_hosts kills.
+  # stderr is silenced: it reports the programs leave_hosts kills. The host
+  # reads the job's variables, then its pipe, from cat: written by this
+  # script, variables larger than the pipe holds would block it before the
+  # host had started. Once the pipe closes, so does the host's stdin.
   set +o pipefail
   exec {stderr}>&2 2>/dev/null
-  "${cmd[@]}" 2>&1 | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" | prefix_lines "${labels[i]}"
+  "${cmd[@]}" < <(printf '%s\0' "${env_entries[@]}" '' && exec cat) 2>&1 \
+    | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" | prefix_lines "${labels[i]}"
   return "${PIPESTATUS[0]}"
 }
 
@@ -371,8 +368,6 @@ start_hosts() {
   trap 'signal_status=${signal_status:-143}' TERM
   for i in "${!labels[@]}"; do
     open_pipe "$i"
-    # MAX_ENV_BYTES at most: the pipe holds them until the host reads.
-    printf '%s\0' "${env_entries[@]}" '' >&"${write_fds[i]}"
     run_host "$i" & # wait_for_hosts gets the status of its whole pipeline by this pid
     running[$!]=$i
     started[i]=$SECONDS
@@ -420,7 +415,7 @@ stop_on_signal() {
 }
 
 # Stops waiting for the hosts still running: kills the programs of each one's
-# pipeline here (ssh, or a local host's shell, and tee and prefix_lines),
+# pipeline here (ssh, or a local host's shell, cat, tee and prefix_lines),
 # which would otherwise write here after this script is gone; its run_host
 # then ends. (pkill -P: bash knows no pid of a pipeline's programs.) Part of
 # the job may live on there.

@@ -283,7 +283,8 @@ def programs_started(pids, trace):
 
 
 def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start):
-    secret, torch_secret = "s3cret-from-env-file", "s3cret-from-environment"
+    # One larger than a pipe holds (64 KiB on Linux), as a long PYTHONPATH from Spack might be.
+    secret, torch_secret = "s3cret-from-env-file-" + "x" * 70_000, "s3cret-from-environment"
     env_file = tmp_path / "env"
     env_file.write_text(f"PROBE_SECRET={secret}\n")
     sshds = [cluster.host(name).sshd_pid() for name in cluster.hosts[:2]]
@@ -521,19 +522,15 @@ def test_rejects_bad_input_before_starting_anything(tmp_path, start, hostfile, n
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.mark.parametrize("lines, message", [
-    ("GOOD=1\nexport BAD=1\n", "env:2: not KEY=VALUE"),
-    # More than some pipes hold: launch.sh writes it before the host starts.
-    (f"BIG={'x' * 5000}\n", "bytes; at most 4096 fit")], ids=["not_key_value", "too_big"])
-def test_rejects_bad_env_file(tmp_path, start, lines, message):
+def test_rejects_bad_env_file(tmp_path, start):
     env_file = tmp_path / "env"
-    env_file.write_text(lines)
+    env_file.write_text("GOOD=1\nexport BAD=1\n")
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
         start, ["--env-file", env_file, REPO / "hosts.txt", "1"],
         launch_env(SSH_COMMAND=ssh_command), timeout=30, cwd=tmp_path,
     )
-    assert launch.proc.returncode == 2 and message in launch.err
+    assert launch.proc.returncode == 2 and "env:2: not KEY=VALUE" in launch.err
     assert not ssh_called.exists()
 
 
