@@ -327,7 +327,7 @@ take_stdin() {
 # Runs host number $1's part of the job, in a subshell of its own, with its
 # output in its log and here, each line prefixed with the host.
 run_host() {
-  local i=$1 rendezvous stderr
+  local i=$1 rendezvous stderr relay status
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
   # whole group: this script stops the host, by closing its stdin. Killed by
   # them, the pipe would lose the host's last output. (Bash ignores them in
@@ -344,22 +344,30 @@ run_host() {
   if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
   # must not fail a job that ran (tee says so, and goes on). Only bash's own
-  # stderr is silenced: it reports the programs leave_hosts kills. The host
-  # reads the job's variables, then its pipe, from cat: written by this
-  # script, variables larger than the pipe holds would block it before the
-  # host had started. Once the pipe closes, so does the host's stdin.
+  # stderr is silenced: it reports the programs leave_hosts kills.
   set +o pipefail
   exec {stderr}>&2 2>/dev/null
-  "${cmd[@]}" < <(printf '%s\0' "${env_entries[@]}" '' && exec cat) 2>&1 \
-    | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" | prefix_lines "${labels[i]}"
-  return "${PIPESTATUS[0]}"
+  # The host reads the job's variables, then its pipe, from a relay through
+  # a FIFO of its own. Written by this script, variables larger than the
+  # pipe holds would block it before the host had started. Once the pipe
+  # closes, the relay ends, and the host's stdin closes. (<&0: a background
+  # job's stdin is otherwise /dev/null.)
+  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" &
+  relay=$!
+  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" \
+    | prefix_lines "${labels[i]}"
+  status=${PIPESTATUS[0]}
+  # The host is done, and its pipe may stay open until this script notices.
+  kill "$relay" 2>/dev/null || true
+  wait "$relay" || true
+  return "$status"
 }
 
 # Starts every host, each with its stdin held open by this script only:
 # closing it (or dying) stops that host.
 start_hosts() {
   local i fd fifos=()
-  for i in "${!labels[@]}"; do fifos+=("$tmp/stdin.$i"); done
+  for i in "${!labels[@]}"; do fifos+=("$tmp/stdin.$i" "$tmp/relay.$i"); done
   mkfifo "${fifos[@]}"
   # Until every host has started, this script runs no other program (one
   # killed by a signal to the whole group would end it, through set -e),
@@ -414,11 +422,11 @@ stop_on_signal() {
   stop_hosts
 }
 
-# Stops waiting for the hosts still running: kills the programs of each one's
-# pipeline here (ssh, or a local host's shell, cat, tee and prefix_lines),
-# which would otherwise write here after this script is gone; its run_host
-# then ends. (pkill -P: bash knows no pid of a pipeline's programs.) Part of
-# the job may live on there.
+# Stops waiting for the hosts still running: kills the programs each one's
+# run_host runs here (ssh, or a local host's shell, tee, prefix_lines and the
+# relay of its stdin), which would otherwise write here after this script is
+# gone; its run_host then ends. (pkill -P: bash knows no pid of a pipeline's
+# programs.) Part of the job may live on there.
 leave_hosts() {
   local pid i
   for pid in "${!running[@]}"; do

@@ -1110,6 +1110,8 @@ def test_a_host_that_ends_at_once_is_never_a_failure(tmp_path, start):
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", "/bin/true",
                                     hostfile, "1", *TRAIN], launch_env(), timeout=30)
         assert launch.proc.returncode == 0, f"attempt {attempt}: {launch.err}"
+        # Not even a zombie for init to reap (which some containers' init never does).
+        assert not session_processes(launch.pid), f"attempt {attempt}"
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
