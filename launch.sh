@@ -574,7 +574,10 @@ main() {
   label_width=4
   for i in "${labels[@]}"; do ((${#i} <= label_width)) || label_width=${#i}; done
 
-  printf -v job_id '%(%Y%m%d-%H%M%S)T-%s' -1 "$$"
+  # Every process of the job carries it, and a stop kills what carries it: two
+  # launches in the same second from containers, where pids repeat, must not
+  # share one. (Bash seeds RANDOM with the time in microseconds and the pid.)
+  printf -v job_id '%(%Y%m%d-%H%M%S)T-%s-%04x' -1 "$$" "$RANDOM"
   tmp=$(mktemp -d) # global: the EXIT trap runs after main returns
   # Only in this shell: a subshell that a signal kills before it drops the
   # trap would run it too, and remove $tmp under this one.

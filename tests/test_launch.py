@@ -154,10 +154,10 @@ def assert_nothing_left(cluster, launch, timeout=10):
 
 
 def job_processes(launch):
-    """Pids of the processes of launch's job, whose id ends in -PID: those with its
+    """Pids of the processes of launch's job, whose id is TIME-PID-RANDOM: those with its
     LAUNCH_JOB mark, and a local node's run_node, whose first argument is JOB/HOST_NUMBER.
     (A local node runs in a session of its own, out of reach of a kill of launch's group.)"""
-    job = rb"\d{8}-\d{6}-%d/" % launch.pid
+    job = rb"\d{8}-\d{6}-%d-[0-9a-f]{4}/" % launch.pid
     pids = []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
