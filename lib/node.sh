@@ -70,17 +70,40 @@ run_node() {
     [[ -n $entry ]] || break
     entries+=("$entry")
   done
+  cd -- "$workdir" || return 1
   # gloo binds to the address this host's name resolves to, which Debian and
   # Ubuntu map to 127.0.1.1, where no other host can connect. Bind it to the
   # interface that holds ADDRESS instead, unless GLOO_SOCKET_IFNAME is set
-  # here or sent.
-  read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null)
+  # here or sent. Where there is no ip (a container without iproute2, whose
+  # /etc/hosts is the host's under --network=host), Python finds it: only by
+  # each interface's first IPv4 address, but by any IPv6 one.
+  local interface_of_address='import fcntl, socket, struct, sys
+address = sys.argv[1]
+names = []
+if ":" in address:  # /proc/net/if_inet6: one address per line, in hex, its interface last
+    packed = socket.inet_pton(socket.AF_INET6, address).hex()
+    names = [line.split()[5] for line in open("/proc/net/if_inet6") if line.split()[0] == packed]
+else:
+    probe = socket.socket()
+    for _, name in socket.if_nameindex():
+        try:
+            request = fcntl.ioctl(probe, 0x8915, struct.pack("256s", name.encode()))  # SIOCGIFADDR
+        except OSError:  # no IPv4 address
+            continue
+        if socket.inet_ntoa(request[20:24]) == address:
+            names.append(name)
+print(*names[:1])'
+  python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
+  if command -v ip >/dev/null; then
+    read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null)
+  else
+    interface=$("$python" -I -S -c "$interface_of_address" "$address" 2>/dev/null)
+  fi
   if [[ -n ${GLOO_SOCKET_IFNAME+set} ]]; then interface=''; fi # set here
   for entry in "${entries[@]}"; do
     if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi # sent
   done
   if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
-  cd -- "$workdir" || return 1
   # On hosts but the first, the job starts as this program, which runs the
   # command once the first host accepts or refuses a connection to the
   # rendezvous port. Where a firewall drops the packets, torchrun would give
@@ -172,7 +195,6 @@ os.execvp(command[0], command)'
   # would show them in ps). 2>&1: ssh carries stderr on a channel of its own,
   # and the two would meet again cut mid-line. Both go through a relay, the
   # only holder of this host's output once this shell is done.
-  python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
   (
     for entry in "${entries[@]}" "$job_mark"; do export "${entry?}" || exit 1; done
     if [[ $rendezvous != - ]]; then exec "$python" -I -S -c "$reach_rendezvous_then_exec" "$rendezvous" "$@"; fi

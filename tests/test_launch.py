@@ -312,12 +312,13 @@ def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start)
     assert_nothing_left(cluster, launch)
 
 
-@pytest.mark.parametrize("where", ["env-file", "host"])
-def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
+def gloo_interface_on_node1(cluster, tmp_path, start, bashrc="", env_lines=""):
+    """The GLOO_SOCKET_IFNAME of a job on node1, where ~/.bashrc (which bash reads for ssh
+    commands) holds bashrc, and launch.sh's --env-file env_lines."""
     env_file = tmp_path / "env"
-    env_file.write_text("GLOO_SOCKET_IFNAME=lo\n" if where == "env-file" else "")
-    bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
-    bashrc.write_text("export GLOO_SOCKET_IFNAME=lo\n" if where == "host" else "")
+    env_file.write_text(env_lines)
+    bashrc_path = cluster.host("node1").dir / "home" / ".bashrc"
+    bashrc_path.write_text(bashrc)
     torchrun = stand_in_torchrun(tmp_path, 'echo "GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME"')
     try:
         launch = run_launch(
@@ -326,9 +327,27 @@ def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
             launch_env(cluster), timeout=60,
         )
     finally:
-        bashrc.unlink()
+        bashrc_path.unlink()
     assert launch.proc.returncode == 0, launch.out + launch.err
-    assert "node1: GLOO_SOCKET_IFNAME=lo\n" in launch.out, launch.out
+    return re.search(r"^node1: GLOO_SOCKET_IFNAME=(.*)$", launch.out, re.M).group(1)
+
+
+@pytest.mark.parametrize("where", ["env-file", "host"])
+def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
+    given = "GLOO_SOCKET_IFNAME=lo\n"
+    if where == "env-file":
+        assert gloo_interface_on_node1(cluster, tmp_path, start, env_lines=given) == "lo"
+    else:
+        assert gloo_interface_on_node1(cluster, tmp_path, start, bashrc=f"export {given}") == "lo"
+
+
+def test_gloo_interface_found_on_a_host_without_ip(cluster, tmp_path, start):
+    """A host without iproute2 (a container, say): Python finds the interface instead."""
+    tools = tmp_path / "tools"  # all that the host's PATH holds
+    tools.mkdir()
+    for tool in ("bash", "base64", "sh", "cat", "grep", "cut", "sleep"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    assert gloo_interface_on_node1(cluster, tmp_path, start, bashrc=f"PATH={tools}\n") == "eth0"
 
 
 def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, start):
