@@ -157,9 +157,10 @@ start_check() {
 
 # Runs check_node on every host: the first, then (once it has answered, or
 # after FIRST_ALONE_SECONDS) the others in parallel. Cuts off the hosts that
-# have not answered after PREFLIGHT_SECONDS and marks them in timed_out.
+# have not answered PREFLIGHT_SECONDS after the others started and marks them
+# in timed_out.
 run_checks() {
-  local i pid polls=0 others_started=''
+  local i pid polls=0 others_started_at=''
   local -A pending=() # pid -> host number
   trap 'stop_checks 130' INT
   trap 'stop_checks 143' TERM
@@ -168,12 +169,13 @@ run_checks() {
     for pid in "${!pending[@]}"; do
       if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
     done
-    if [[ -z $others_started ]] \
+    if [[ -z $others_started_at ]] \
       && ((${#pending[@]} == 0 || polls == FIRST_ALONE_SECONDS * POLLS_PER_SECOND)); then
       for ((i = 1; i < ${#labels[@]}; i++)); do start_check "$i"; done
-      others_started=yes
+      others_started_at=$polls
     fi
-    if ((${#pending[@]} == 0 || polls == PREFLIGHT_SECONDS * POLLS_PER_SECOND)); then break; fi
+    if ((${#pending[@]} == 0
+      || polls == others_started_at + PREFLIGHT_SECONDS * POLLS_PER_SECOND)); then break; fi
     poll_pause
     polls=$((polls + 1))
   done
@@ -352,10 +354,11 @@ run_host() {
   # pipe holds would block it before the host had started. Once the pipe
   # closes, the relay ends, and the host's stdin closes. (<&0: a background
   # job's stdin is otherwise /dev/null.)
-  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" &
+  # ({stderr}>&-: the programs that may outlive this script must not hold it.)
+  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" {stderr}>&- &
   relay=$!
-  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" \
-    | prefix_lines "${labels[i]}"
+  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 {stderr}>&- | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" \
+    | prefix_lines "${labels[i]}" {stderr}>&-
   status=${PIPESTATUS[0]}
   # The host is done, and its pipe may stay open until this script notices.
   kill "$relay" 2>/dev/null || true
@@ -422,20 +425,39 @@ stop_on_signal() {
   stop_hosts
 }
 
-# Stops waiting for the hosts still running: kills the programs each one's
-# run_host runs here (ssh, or a local host's shell, tee, prefix_lines and the
+# Kills the children of process $1: by pkill -P where there is one (macOS,
+# and Linux with procps), else by the parent pids in /proc (slim Linux
+# images). Bash knows no pid of a pipeline's programs.
+kill_children() {
+  local path stat parent
+  if command -v pkill >/dev/null; then
+    pkill -KILL -P "$1" || true
+    return
+  fi
+  for path in /proc/[0-9]*/stat; do
+    { read -r stat <"$path"; } 2>/dev/null || continue # gone meanwhile
+    read -r _ parent _ <<<"${stat##*) }"                # after the name, which may hold ") "
+    if ((parent == $1)); then kill -s KILL "${path//[^0-9]/}" 2>/dev/null || true; fi
+  done
+}
+
+# Stops waiting for the hosts still running: kills each one's run_host and
+# what it runs here (ssh, or a local host's shell, tee, prefix_lines and the
 # relay of its stdin), which would otherwise write here after this script is
-# gone; its run_host then ends. (pkill -P: bash knows no pid of a pipeline's
-# programs.) Part of the job may live on there.
+# gone. Stopped first, a run_host starts nothing more. Part of the job may
+# live on there.
 leave_hosts() {
   local pid i
   for pid in "${!running[@]}"; do
     i=${running[$pid]}
-    pkill -KILL -P "$pid" 2>/dev/null || true
+    kill -s STOP "$pid" 2>/dev/null || true
+    kill_children "$pid"
+    kill -s KILL "$pid" 2>/dev/null || true
     statuses[i]=-
     durations[i]=$((SECONDS - started[i]))
     left[i]=yes
   done
+  wait "${!running[@]}" 2>/dev/null || true # (no "Killed" notice)
   running=()
 }
 
@@ -445,11 +467,6 @@ leave_hosts() {
 wait_for_hosts() {
   local pid i status polls=0 heartbeat_polls=0 heartbeat_seconds=$SECONDS stop_polls=0
   while ((${#running[@]})); do
-    if ((stop_polls > STOP_SECONDS * POLLS_PER_SECOND)); then leaving="after $STOP_SECONDS s of stopping"; fi
-    if [[ -n $leaving ]]; then
-      leave_hosts
-      break
-    fi
     poll_pause
     polls=$((polls + 1))
     if [[ -n $stopping ]]; then stop_polls=$((stop_polls + 1)); fi
@@ -476,6 +493,8 @@ wait_for_hosts() {
         stop_hosts
       fi
     done
+    if ((stop_polls > STOP_SECONDS * POLLS_PER_SECOND)); then leaving="after $STOP_SECONDS s of stopping"; fi
+    if [[ -n $leaving && ${#running[@]} -gt 0 ]]; then leave_hosts; fi
   done
 }
 
