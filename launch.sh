@@ -329,7 +329,7 @@ take_stdin() {
 # Runs host number $1's part of the job, in a subshell of its own, with its
 # output in its log and here, each line prefixed with the host.
 run_host() {
-  local i=$1 rendezvous stderr relay status
+  local i=$1 rendezvous relay status
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
   # whole group: this script stops the host, by closing its stdin. Killed by
   # them, the pipe would lose the host's last output. (Bash ignores them in
@@ -345,24 +345,20 @@ run_host() {
   # workers, each of which would print a KeyboardInterrupt traceback.
   if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
-  # must not fail a job that ran (tee says so, and goes on). Only bash's own
-  # stderr is silenced: it reports the programs leave_hosts kills.
+  # must not fail a job that ran (tee says so, and goes on).
   set +o pipefail
-  exec {stderr}>&2 2>/dev/null
   # The host reads the job's variables, then its pipe, from a relay through
   # a FIFO of its own. Written by this script, variables larger than the
   # pipe holds would block it before the host had started. Once the pipe
   # closes, the relay ends, and the host's stdin closes. (<&0: a background
   # job's stdin is otherwise /dev/null.)
-  # ({stderr}>&-: the programs that may outlive this script must not hold it.)
-  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" {stderr}>&- &
+  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" &
   relay=$!
-  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 {stderr}>&- | tee -a "$log_dir/${labels[i]}.log" 2>&"$stderr" \
-    | prefix_lines "${labels[i]}" {stderr}>&-
+  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
   status=${PIPESTATUS[0]}
   # The host is done, and its pipe may stay open until this script notices.
   kill "$relay" 2>/dev/null || true
-  wait "$relay" || true
+  wait "$relay" 2>/dev/null || true # (no "Terminated" notice)
   return "$status"
 }
 
@@ -444,8 +440,8 @@ kill_children() {
 # Stops waiting for the hosts still running: kills each one's run_host and
 # what it runs here (ssh, or a local host's shell, tee, prefix_lines and the
 # relay of its stdin), which would otherwise write here after this script is
-# gone. Stopped first, a run_host starts nothing more. Part of the job may
-# live on there.
+# gone. Stopped first, a run_host starts nothing more, and reports no program
+# killed. Part of the job may live on there.
 leave_hosts() {
   local pid i
   for pid in "${!running[@]}"; do

@@ -75,21 +75,14 @@ class Launch:
             self.kill()
             pytest.fail(f"launch.sh still running after {timeout}s\n{self.out}\n{self.err}")
 
-    def wait_for_output(self, pattern, timeout=90):
+    def wait_for_output(self, pattern, timeout=90, stream="out"):
+        """Wait until pattern appears in launch.sh's stdout (stream="out") or stderr ("err")."""
         deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.out, re.M):
+        while not re.search(pattern, getattr(self, stream), re.M):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                pytest.fail(f"no {pattern!r} in the output\n{self.out}\n{self.err}")
+                pytest.fail(f"no {pattern!r} in its std{stream}\n{self.out}\n{self.err}")
             time.sleep(0.2)
-
-    def wait_for_output_on_stderr(self, text, timeout=10):
-        deadline = time.monotonic() + timeout
-        while text not in self.err:
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"no {text!r} on stderr\n{self.out}\n{self.err}")
-            time.sleep(0.1)
 
     def job_id(self):
         return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
@@ -1165,7 +1158,7 @@ def test_a_host_that_never_ends_its_stop_is_left_with_a_word(tmp_path, start, se
     launch = start_a_sleeping_job(tmp_path, start, host="hung",
                                   env=launch_env(SSH_COMMAND=ssh_here(tmp_path)))
     os.killpg(launch.pid, signal.SIGINT)  # as a terminal's Ctrl-C
-    launch.wait_for_output_on_stderr("stopping the job on every host")
+    launch.wait_for_output("stopping the job on every host", timeout=10, stream="err")
     deadline = time.monotonic() + 10
     while job_processes(launch) and time.monotonic() < deadline:  # the host's part stops ...
         time.sleep(0.2)
