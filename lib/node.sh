@@ -167,10 +167,11 @@ os.execvp(command[0], command)'
     mapfile -t pids < <(marked_pids "$1")
     if ((${#pids[@]})); then kill -s "$2" "${pids[@]}" 2>/dev/null || true; fi
   }
-  # SIGTERM, 5 s for the workers to end, then SIGKILL. torchrun itself, their
-  # parent, would then spend seconds closing the rendezvous; as the whole job
-  # is ending, nobody needs that.
+  # SIGKILL to torchrun, then SIGTERM to its workers, 5 s for them to end, and
+  # SIGKILL. torchrun would answer a SIGTERM with a traceback, and spend
+  # seconds closing the rendezvous: as the whole job is ending, nobody needs it.
   stop_job() {
+    kill -s KILL "$torchrun_pid" 2>/dev/null || true
     signal_marked "$job_mark" TERM
     for _ in {1..25}; do
       marked_pids "$job_mark" | grep -qvxF "$torchrun_pid" || break # none left but torchrun
