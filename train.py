@@ -84,8 +84,22 @@ def nonempty(text):
 
 def positive_float(text):
     value = float(text)
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def seed(text):
+    value = int(text)
+    if not 0 <= value < 2**32:  # torch's generators take 64 bits, and the rank is added
+        raise argparse.ArgumentTypeError(f"must be 0 to 2**32 - 1, got {text}")
+    return value
+
+
+def seconds(text):
+    value = positive_int(text)
+    if value > 86400:  # a datetime.timedelta overflows past 10**14 s; a day is ample
+        raise argparse.ArgumentTypeError(f"must be at most 86400 (a day), got {text}")
     return value
 
 
@@ -120,14 +134,14 @@ def parse_args(argv=None):
     p.add_argument("--accum-steps", type=positive_int, default=1,
                    help="micro-steps per optimizer step (gradient accumulation)")
     p.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and data order")
+    p.add_argument("--seed", type=seed, default=0, help="seed of weights and data order")
     p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
                    help="mixed precision; fp16 uses a gradient scaler, bf16 needs none")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="process group backend; auto is nccl on CUDA, gloo on CPU "
                         "(gloo trains on the CPU even where there are GPUs)")
-    p.add_argument("--timeout", type=positive_int, default=300,
+    p.add_argument("--timeout", type=seconds, default=300,
                    help="seconds a collective may wait for a peer before the job fails")
     p.add_argument("--checkpoint-dir", type=nonempty, default=None,
                    help="save DIR/last.pt there, and resume from it when it exists")
@@ -154,6 +168,9 @@ def setup_distributed(args):
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if "RANK" not in os.environ and world_size != 1:  # else it would train on 1/world_size alone
+        raise UsageError(f"WORLD_SIZE is {world_size} but RANK is not set: start train.py with "
+                         "torchrun, which sets them all, or unset WORLD_SIZE")
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -461,7 +478,10 @@ def check_no_batch_of_one(model, samples_per_rank, batch_size):
     1x1 map); refuse a --batch-size that makes one, before any training is lost."""
     has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     error = None
-    if has_batch_norm and (batch_size == 1 or samples_per_rank % batch_size == 1):
+    if has_batch_norm and samples_per_rank == 1:
+        error = ("each rank gets one sample per epoch, on which the model's BatchNorm cannot "
+                 "train: use fewer processes, more data, or --arch cnn")
+    elif has_batch_norm and (batch_size == 1 or samples_per_rank % batch_size == 1):
         error = (f"--batch-size {batch_size} leaves micro-batches of one sample "
                  f"({samples_per_rank} samples per rank), on which the model's "
                  "BatchNorm cannot train: choose another --batch-size")
@@ -578,7 +598,8 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
 
 def write_atomically(state, path, tmp):
     """torch.save `state` to `tmp`, then rename it to `path`: a crash at any moment leaves
-    the previous `path` intact, and a failed write leaves no `tmp` taking the disk."""
+    the previous `path` intact. A failed write leaves no `tmp` taking the disk; a process
+    killed in mid-write does, until prepare_outputs removes it at the next start."""
     directory = os.path.dirname(path) or "."
     try:
         os.makedirs(directory, exist_ok=True)
@@ -756,8 +777,13 @@ def log(line):
     """Print one line in one write. torchrun runs workers unbuffered (python -u), where
     print() writes the text and the newline apart, and another process's output sharing
     the stream can land in between."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:  # stdout is gone (a `| tee` closed with its terminal): lose lines, not the run
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # where the lines still buffered go, too
+        os.close(devnull)
 
 
 def format_seconds(seconds):
@@ -824,6 +850,9 @@ def train(args, rank, local_rank, world_size, device):
             f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
             f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
             f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}")
+        if args.amp == "fp16" and device.type == "cpu":  # CPUs have few fast fp16 kernels
+            print("train.py: warning: --amp fp16 on the CPU is many times slower than fp32 "
+                  "(45x for cnn on a 2-CPU VM); --amp bf16 is the fast one there", file=sys.stderr)
         if step >= total_steps:
             log(f"nothing to train: {ckpt_path} is at step {step}, and this run ends at step "
                 f"{total_steps}")
@@ -846,7 +875,7 @@ def train(args, rank, local_rank, world_size, device):
                 save(first + n)  # the epoch's end saves after evaluating
             if log_now:
                 log(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
-                    f"loss(rank 0) {loss.item():.4f} eta {eta(first + n)}")
+                    f"loss(rank 0, epoch so far) {loss.item():.4f} eta {eta(first + n)}")
             return time.perf_counter() - start
 
         train_loss, samples, seconds = train_one_epoch(

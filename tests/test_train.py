@@ -392,6 +392,34 @@ def test_torchrun_restarts_need_a_fresh_store_per_round(tmp_path, fresh_store):
         assert f'File "{TRAIN}"' not in result.stderr
 
 
+def test_a_closed_stdout_loses_lines_not_the_run(tmp_path):
+    """`python train.py | tee log`, and the terminal that ran tee closes."""
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--log-every", "1",
+         "--max-steps", "30", "--checkpoint-dir", tmp_path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"})
+    try:
+        while "step 1/" not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read()
+        proc.stdout.close()
+        _, err = proc.communicate(timeout=60)
+        assert (proc.returncode, err) == (0, "")
+        assert load(tmp_path / "last.pt")["step"] == 30
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_world_size_without_rank_is_one_line(monkeypatch, capfd):
+    """Else one process would train on its shard of a world that is not there."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main_in_process(capfd, "--dataset", "synthetic") == (
+        1, "", "train.py: error: WORLD_SIZE is 2 but RANK is not set: start train.py with "
+        "torchrun, which sets them all, or unset WORLD_SIZE\n")
+
+
 def test_rank_set_by_hand_without_torchrun_is_one_line(monkeypatch, capfd):
     monkeypatch.setenv("RANK", "0")
     for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -490,10 +518,16 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
     (["--checkpoint-dir", "a_file"], "--checkpoint-dir a_file exists and is not a directory"),
     (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
-    (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample")])
+    (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample"),
+    (["--arch", "resnet18", "--data", "one_sample"], "use fewer processes, more data, or --arch cnn")])
 def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capfd,
                                                         setting, message):
     (tmp_path / "a_file").touch()
+    raw = tmp_path / "one_sample" / "MNIST" / "raw"  # as a rank gets when there are too many
+    raw.mkdir(parents=True)
+    for split in ("train", "t10k"):
+        write_idx(raw / f"{split}-images-idx3-ubyte", torch.zeros(1, 28, 28, dtype=torch.uint8))
+        write_idx(raw / f"{split}-labels-idx1-ubyte", torch.zeros(1, dtype=torch.uint8))
     monkeypatch.chdir(tmp_path)
     code, out, err = main_in_process(capfd, *TINY, "--data", mnist_dir, *setting)
     assert code == 1 and out == ""
@@ -501,7 +535,9 @@ def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, mon
 
 
 @pytest.mark.parametrize("bad", [["--epochs", "-1"], ["--arch", "vgg"], ["--batch-size", "0"],
-                                 ["--save-every", "5"], ["--checkpoint-dir", ""], ["--metrics", ""]])
+                                 ["--save-every", "5"], ["--checkpoint-dir", ""], ["--metrics", ""],
+                                 ["--lr", "inf"], ["--seed", "-1"], ["--seed", str(2**64)],
+                                 ["--timeout", str(10**14)]])
 def test_bad_arguments_give_one_line_and_exit_2(capfd, bad):
     code, _, err = main_in_process(capfd, *bad)
     assert code == 2
