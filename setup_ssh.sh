@@ -9,10 +9,9 @@
 # 1. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if it is
 #    missing; an existing key is never overwritten.
 # 2. Adds its public key to ~/.ssh/authorized_keys on every host where it is
-#    not there yet (~/.ssh 700, the file 600). A host that already accepts
-#    the key is not asked for a password. Otherwise the password comes from
-#    $SSHPASS through `sshpass -e` when both are there, or is asked once per
-#    host. New host keys are recorded with StrictHostKeyChecking=accept-new;
+#    not there yet, under any comment (~/.ssh 700, the file 600). Only a host
+#    that refuses the key is asked for a password: it comes from $SSHPASS
+#    through `sshpass -e` when both are there, or is asked once per host. New host keys are recorded with StrictHostKeyChecking=accept-new;
 #    a changed host key stops that host.
 # 3. Prints a table of whether BatchMode login works on each host, and exits 1
 #    if it does not on any.
@@ -36,12 +35,14 @@ THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_
 # shellcheck source=lib/hosts.sh
 source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 
-# Runs on each host, in bash: reads the public key from stdin and appends it
-# to ~/.ssh/authorized_keys unless it is there already, on a line of its own
-# even where the file's last line has no newline.
+# Runs on each host, in bash: reads the public key's line from stdin and
+# appends it to ~/.ssh/authorized_keys unless the key is there already (under
+# any comment or options), on a line of its own even where the file's last
+# line has no newline.
 # shellcheck disable=SC2016 # expands there, not here
-readonly INSTALL_KEY='umask 077 && read -r key && mkdir -p ~/.ssh && chmod 700 ~/.ssh &&
-keys=~/.ssh/authorized_keys && { grep -qxF "$key" "$keys" 2>/dev/null ||
+readonly INSTALL_KEY='umask 077 && read -r key && read -r _ blob _ <<<"$key" &&
+mkdir -p ~/.ssh && chmod 700 ~/.ssh && keys=~/.ssh/authorized_keys &&
+{ grep -qF -- "$blob" "$keys" 2>/dev/null ||
 { if [[ -s $keys && -n $(tail -c 1 "$keys") ]]; then echo; fi; echo "$key"; } >>"$keys"; } &&
 chmod 600 "$keys"'
 
@@ -70,8 +71,16 @@ create_key() {
     return 0
   fi
   (umask 077 && mkdir -p "$(dirname -- "$key")")
-  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(hostname)" -f "$key"
+  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$HOSTNAME" -f "$key"
   echo "setup_ssh.sh: created $key" >&2
+}
+
+# Sets public_key to the line of $key.pub, without the carriage return or
+# the final newline an editor may have left or left out.
+read_public_key() {
+  ssh-keygen -l -f "$key.pub" >/dev/null 2>&1 || die "$key.pub holds no public key"
+  IFS= read -r public_key <"$key.pub" || [[ -n $public_key ]]
+  public_key=${public_key%$'\r'}
 }
 
 # Sets cmd to ssh to host number $1 with the extra options "${@:2}".
@@ -84,17 +93,28 @@ ssh_for() {
     -o ClearAllForwardings=yes ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 
+# Adds the key on host number $1 with the key itself, or else, where the host
+# refuses it, with a password. Any other failure (no route, a changed host
+# key) is left for the table to report.
 install_key() {
-  local i=$1 install
+  local i=$1 install error status=0
   install=$(remote_bash_command "$INSTALL_KEY")
   ssh_for "$i" -i "$key" -o BatchMode=yes
-  "${cmd[@]}" "$install" <"$key.pub" 2>/dev/null && return 0
+  error=$("${cmd[@]}" "$install" <<<"$public_key" 2>&1 >/dev/null) || status=$?
+  if ((status == 0)); then
+    return 0
+  elif ((status != 255)); then # logged in, and the command failed (a read-only home, say)
+    echo "setup_ssh.sh: ${labels[i]}: cannot add the key: $(tail -n 1 <<<"$error")" >&2
+    return 1
+  elif [[ $error != *"Permission denied"* ]]; then
+    return 1
+  fi
   echo "setup_ssh.sh: ${labels[i]}: installing $key.pub with a password login" >&2
   ssh_for "$i" -o NumberOfPasswordPrompts=1
   if [[ -n ${SSHPASS:-} ]] && command -v sshpass >/dev/null; then
     cmd=(sshpass -e "${cmd[@]}")
   fi
-  "${cmd[@]}" "$install" <"$key.pub"
+  "${cmd[@]}" "$install" <<<"$public_key"
 }
 
 # Prints "ok" or why BatchMode login to host number $1 fails, as launch.sh
@@ -117,7 +137,7 @@ check_login() {
 main() {
   require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
-  local ssh_command=() cmd=()
+  local ssh_command=() cmd=() public_key
   local i width=4 result failed=0
   while (($#)); do
     case $1 in
@@ -136,6 +156,7 @@ main() {
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
   create_key
+  read_public_key
 
   for i in "${!labels[@]}"; do
     install_key "$i" || true # the table below reports it

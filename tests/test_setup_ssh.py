@@ -93,6 +93,36 @@ def test_key_goes_on_a_line_of_its_own(cluster, tmp_path):
     assert authorized.read_text().endswith(f"{other}\n{Path(f'{key}.pub').read_text()}")
 
 
+@pytest.mark.parametrize("line_end", ["\r\n", ""], ids=["crlf", "no_newline"])  # as editors leave it
+def test_a_key_is_added_once_under_any_comment(cluster, tmp_path, line_end):
+    require_sshpass()
+    key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+    key_type, blob, _ = Path(f"{key}.pub").read_text().split()
+    Path(f"{key}.pub").write_text(f"{key_type} {blob} me@laptop{line_end}")
+    has_it, lacks_it = (cluster.host(h).dir / "home/.ssh/authorized_keys" for h in cluster.hosts)
+    has_it.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(has_it, "a") as f:
+        f.write(f"no-pty {key_type} {blob} the-same-key-added-by-hand\n")
+    before = has_it.read_bytes()
+    result = setup_ssh(cluster, "--key", key, cluster.write_hostfile(tmp_path / "hosts.txt"),
+                       SSHPASS=PASSWORD, SSH_COMMAND=offering(cluster, key))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert has_it.read_bytes() == before
+    assert lacks_it.read_text().endswith(f"\n{key_type} {blob} me@laptop\n")
+
+
+def test_only_a_refused_key_falls_back_to_a_password(cluster, tmp_path):
+    """A host that cannot be reached at all is reported, not asked for a password."""
+    key = tmp_path / "id_ed25519"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[0]}:1\n")  # no sshd on port 1
+    result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
+    assert result.returncode == 1
+    assert "password" not in result.stderr, result.stderr
+    assert re.search(rf"^{cluster.hosts[0]}:1 +FAILED: .*Connection refused", result.stdout, re.M), result.stdout
+
+
 def test_reports_hosts_where_login_fails(cluster, tmp_path):
     key = tmp_path / "id_ed25519"
     hostfile = tmp_path / "hosts.txt"
