@@ -11,8 +11,9 @@
 # 2. Adds its public key to ~/.ssh/authorized_keys on every host where it is
 #    not there yet, under any comment (~/.ssh 700, the file 600). Only a host
 #    that refuses the key is asked for a password: it comes from $SSHPASS
-#    through `sshpass -e` when both are there, or is asked once per host. New host keys are recorded with StrictHostKeyChecking=accept-new;
-#    a changed host key stops that host.
+#    through `sshpass -e` when both are there, or is asked once per host.
+#    New host keys are recorded with StrictHostKeyChecking=accept-new; a
+#    changed host key stops that host.
 # 3. Prints a table of whether BatchMode login works on each host, and exits 1
 #    if it does not on any.
 #
