@@ -59,6 +59,7 @@ REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be sl
 # the others ends the run with a message instead of hanging it.
 ALLREDUCE_SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as nccl-tests' -b 1K -e 64M -f 4
 ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
+ALLREDUCE_WARMUPS = 3  # untimed all-reduces per size: the first sets up the connections' buffers
 RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store after this
 RDZV_JOIN_TIMEOUT_S = 30  # ... and waiting for the other nodes to join after this
 COLLECTIVE_TIMEOUT_S = 30  # init_process_group: a lost peer fails the collective
@@ -67,11 +68,10 @@ TORCHRUN_STOP_S = 5  # a node stopping: from SIGTERM to torchrun until SIGKILL
 NODE_STOP_S = TORCHRUN_STOP_S + 5  # from closing a node's stdin until SIGKILL of its ssh
 RESULT_MARKER = "CHECK_ENV_ALLREDUCE "  # prefixes rank 0's result line in the torchrun output
 
-ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_")
 # What launch.sh gives every host from this shell (its FORWARDED): the hosts are
 # checked, and benchmarked, with what the job will see.
 FORWARDED = re.compile(r"NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH")
-ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
+SHOWN_ENV = re.compile(rf"MASTER_.*|{FORWARDED.pattern}")  # the report's env row
 
 # Linux ioctls that return an interface's IPv4 address and netmask (<linux/sockios.h>).
 SIOCGIFADDR = 0x8915
@@ -100,7 +100,7 @@ def gather_report():
         **torch_facts(why_missing),
         "driver": nvidia_driver_version(why_missing),
         "interfaces": interface_addresses(why_missing),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
+        "env": {k: v for k, v in sorted(os.environ.items()) if SHOWN_ENV.fullmatch(k)},
         # "client-address client-port server-address server-port" when run over SSH: the
         # server address is where this host was reached, and where the job will reach it.
         "ssh_connection": os.environ.get("SSH_CONNECTION"),
@@ -318,12 +318,18 @@ def major_minor(version):
     return ".".join(version.split(".")[:2])
 
 
+def public_version(version):
+    """2.8.0 of 2.8.0+cu128: PyPI's wheel and download.pytorch.org's of one release differ
+    only in that label, and the CUDA runtime and NCCL rows tell builds apart."""
+    return version.split("+")[0]
+
+
 # What must be equal on every host for a job to start: a mismatch here hangs
 # init or fails with a cryptic NCCL or unpickling error.
 MUST_MATCH = [
     ("python", "python", major_minor),
-    ("torch", "torch", str),
-    ("torchvision", "torchvision", str),
+    ("torch", "torch", public_version),
+    ("torchvision", "torchvision", public_version),
     ("CUDA runtime", "cuda_runtime", str),
     ("NCCL", "nccl", str),
 ]
@@ -333,6 +339,8 @@ MUST_MATCH = [
 # ones to its --local-addr (launch.sh) or the rendezvous host (--allreduce). On hosts
 # that cannot resolve each other's names, the old way hangs.
 MULTI_NODE_TORCH = (2, 5)
+# Before 2.8, a gloo rank can hang in destroy_process_group as a job ends (pytorch#154976).
+MINIMUM_TORCH = (2, 8)
 
 
 def torch_older_than(version, minimum):
@@ -359,6 +367,12 @@ def find_problems(labels, reports, nproc=None):
                     f"{label}: torch {report['torch']} is older than {minimum}: its torchrun sends "
                     f"workers to rank 0's host name, which every host must then resolve (upgrade torch)"
                 )
+            elif torch_older_than(report["torch"], MINIMUM_TORCH):
+                problems.append(
+                    f"{label}: torch {report['torch']} is older than {'.'.join(map(str, MINIMUM_TORCH))}: "
+                    "a gloo rank can hang in destroy_process_group as the job ends (pytorch#154976; "
+                    "upgrade torch)"
+                )
             if "gpus" in report["why_missing"]:
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:
@@ -381,9 +395,9 @@ def gpu_shortage(label, report, nproc, uses_gpus):
 def differences(label, report, ref_label, ref):
     """How report differs from the reference in what must match."""
     found = []
-    for name, key, normalise in MUST_MATCH:
-        mine, theirs = [("missing" if v is None else normalise(v)) for v in (report[key], ref[key])]
-        if mine != theirs:
+    for name, key, comparable in MUST_MATCH:
+        mine, theirs = [("missing" if v is None else v) for v in (report[key], ref[key])]
+        if comparable(mine) != comparable(theirs):
             found.append(f"{label}: {name} {mine} differs from {ref_label} ({theirs})")
     return found
 
@@ -523,15 +537,42 @@ def host_command(host, argv):
     return [*ssh, *options, "--", host.target, "exec " + shlex.join(argv)]
 
 
+# The commands run_on_host has under way, each in a session of its own: a SIGTERM or
+# SIGINT kills their groups, or the program would wait for each (the threads that run
+# them finish before it ends), up to REPORT_TIMEOUT_S.
+RUNNING = set()
+
+
 def run_on_host(host, argv, stdin=b"", timeout=REPORT_TIMEOUT_S):
     """(exit status, stdout, error text); the status is None when it could not run at all."""
     try:
-        proc = subprocess.run(host_command(host, argv), input=stdin, capture_output=True, timeout=timeout)
+        proc = subprocess.Popen(
+            host_command(host, argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     except FileNotFoundError as exc:
         return None, "", f"cannot run {exc.filename}: not found"
+    RUNNING.add(proc)
+    try:
+        stdout, stderr = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_group(proc, signal.SIGKILL)
+        proc.communicate()
         return None, "", f"no answer within {timeout} s"
-    return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    finally:
+        RUNNING.discard(proc)
+    return proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+
+def stop_at_signal(signum, frame):
+    """SIGTERM or SIGINT: kill what run_on_host runs, and unwind, so that run_nodes stops
+    every node it started."""
+    for proc in list(RUNNING):
+        kill_group(proc, signal.SIGKILL)
+    sys.exit(128 + signum)
 
 
 def failure(host, python, status, stderr):
@@ -615,12 +656,14 @@ def time_allreduce(size, device, rank, world):
             torch.cuda.synchronize(device)
 
     x = torch.empty(size // 4, dtype=torch.float32, device=device)
-    # The first call warms up and checks the sum, like nccl-tests' #wrong column.
+    # The first warm-up checks the sum, like nccl-tests' #wrong column.
     x.fill_(rank + 1)
     dist.all_reduce(x)
     correct = (x == world * (world + 1) / 2).all().to(torch.int32)
     dist.all_reduce(correct, op=dist.ReduceOp.MIN)  # right on every rank, not only rank 0
     x.zero_()  # zeros stay zeros: no overflow to inf while timing
+    for _ in range(ALLREDUCE_WARMUPS - 1):
+        dist.all_reduce(x)
     iterations = max(3, min(20, ALLREDUCE_BYTES_PER_SIZE // size))
     synchronize()
     dist.barrier()
@@ -647,8 +690,10 @@ def format_allreduce(result, nodes):
         busbws.append(busbw)
         size = f"{row['bytes'] // 1024} KiB" if row["bytes"] < 2**20 else f"{row['bytes'] // 2**20} MiB"
         check = "ok" if row["correct"] else "WRONG SUM"
-        lines.append(f"{size:>9} {row['seconds'] * 1e6:>10.1f} {algbw:>12.3f} {busbw:>12.3f}  {check}")
-    lines.append(f"average busbw: {sum(busbws) / len(busbws):.3f} GB/s")
+        lines.append(f"{size:>9} {row['seconds'] * 1e6:>10.1f} {algbw:>12.4g} {busbw:>12.4g}  {check}")
+    # The largest size is the bandwidth; the small ones time the latency.
+    lines.append(f"busbw at {size}: {busbws[-1]:.4g} GB/s (averaged over every size, as nccl-tests' "
+                 f"\"Avg bus bandwidth\": {sum(busbws) / len(busbws):.4g} GB/s)")
     return "\n".join(lines)
 
 
@@ -684,11 +729,12 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
             f"--allreduce runs {script} through torchrun on every host, so it must be at that path "
             f"on every host (a shared filesystem or the same image); it is not on: {', '.join(missing)}"
         )
-    status, port, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT])
-    if status != 0:
+    status, stdout, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT])
+    ports = re.findall(r"^\d+$", stdout, re.M)  # after a login script's banner, if any
+    if status != 0 or not ports:
         return 1, f"{hosts[0].entry}: cannot pick a rendezvous port: {failure(hosts[0], python, status, stderr)}"
     master = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]  # IPv6
-    endpoint = f"{master}:{port.strip()}"
+    endpoint = f"{master}:{ports[-1]}"
     run_id = secrets.token_hex(4)
     commands = [
         [
@@ -910,6 +956,9 @@ def check_hosts(args):
     if not args.allreduce:
         return 0
     nproc = args.nproc or max(1, min(len(r["gpus"]) for r in reports))  # one process per GPU, or 1 on CPU
+    if len(hosts) * nproc < 2:
+        raise UsageError(f"--allreduce needs 2 processes or more, and this is {len(hosts)} host x {nproc} "
+                         "process: add hosts, or --nproc 2")
     print(f"\nall-reduce: starting torchrun on {len(hosts)} host(s) x {nproc} process(es)...", flush=True)
     status, text = run_allreduce(hosts, reports, addresses, args.python, nproc)
     print(text)
@@ -934,15 +983,13 @@ def main(argv=None):
         report = gather_report()
         print(json.dumps(report) if args.json else format_report(report))
         return 0
-    # SIGTERM unwinds like Ctrl-C, so that run_nodes stops every node it started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, stop_at_signal)
+    signal.signal(signal.SIGINT, stop_at_signal)
     try:
         return check_hosts(args)
     except UsageError as exc:
         print(f"check_env.py: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def three_hosts(b=None, c=None):
         (
             three_hosts(b=host_report("b", "10.0.0.2/24", python="3.12.1", torchvision=None)),
             None,
-            ["b: python 3.12 differs from a (3.11)", "b: torchvision missing differs from a (0.29.1+cu130)"],
+            ["b: python 3.12.1 differs from a (3.11.7)", "b: torchvision missing differs from a (0.29.1+cu130)"],
         ),
         (
             three_hosts(c=without_torch("c", "10.0.0.3/24")),
@@ -242,8 +242,15 @@ def three_hosts(b=None, c=None):
             [f"{n}: torch 2.4.1+cu121 is older than 2.5: its torchrun sends workers to rank 0's "
              "host name, which every host must then resolve (upgrade torch)" for n in LABELS[:2]],
         ),
-        # One host needs no rendezvous across the network.
-        ([host_report("a", "10.0.0.1/24", torch="2.4.1")], None, []),
+        # One host needs no rendezvous across the network, but still needs 2.8.
+        (
+            [host_report("a", "10.0.0.1/24", torch="2.7.1")],
+            None,
+            ["a: torch 2.7.1 is older than 2.8: a gloo rank can hang in destroy_process_group as the job "
+             "ends (pytorch#154976; upgrade torch)"],
+        ),
+        # PyPI's wheel and download.pytorch.org's of one release: the CUDA and NCCL rows compare builds.
+        (three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.14.1", torchvision="0.29.1")), None, []),
     ],
     ids=[
         "match",
@@ -257,6 +264,7 @@ def three_hosts(b=None, c=None):
         "cpu-nproc",
         "old-torch",
         "old-torch-one-host",
+        "build-label",
     ],
 )
 def test_find_problems(reports, nproc, expected):
@@ -505,6 +513,32 @@ def test_a_stopped_node_kills_what_ignores_sigterm_after_5_s(stop):
         proc.wait()
 
 
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_hosts_report_ends_their_commands_at_once(tmp_path, stop_signal):
+    """A host whose report takes long (a cold `import torch`, here a sleep that writes its
+    pid) does not hold check_env.py up for REPORT_TIMEOUT_S (90 s)."""
+    slow_python = tmp_path / "python"
+    slow_python.write_text(f"#!/bin/sh\nsleep 60 & echo $! > {tmp_path}/pid\nwait\n")
+    slow_python.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen([sys.executable, REPO / "check_env.py", "--hosts", hostfile, "--python", slow_python],
+                            stdout=subprocess.DEVNULL)
+    try:
+        while not pid_file.exists() or not pid_file.read_text().endswith("\n"):
+            assert proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(stop_signal)
+        assert proc.wait(timeout=10) == 128 + stop_signal
+        assert not is_running(int(pid_file.read_text()))
+    finally:
+        proc.kill()
+        proc.wait()
+        if pid_file.exists() and is_running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_a_worker_ends_when_torchrun_its_parent_is_gone():
     # A parent that starts the watch in a child, prints the child's pid and exits after 2 s.
     watch = (
@@ -548,6 +582,14 @@ def test_allreduce_on_this_machine_with_two_processes():
         assert row[5] == "ok"  # the sum was right
         time_us, algbw, busbw = map(float, row[2:5])
         assert time_us > 0 and busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, abs=0.002)
+
+
+def test_allreduce_of_one_process_is_refused():
+    """Its bandwidth would be a copy's, and its busbw 0."""
+    result = run_check_env(["--nproc", "1", "--allreduce"], timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == ("check_env.py: --allreduce needs 2 processes or more, and this is 1 host x 1 "
+                             "process: add hosts, or --nproc 2\n")
 
 
 def allreduce_rows(stdout):

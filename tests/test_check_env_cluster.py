@@ -47,8 +47,9 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
         assert report["hostname"] == name  # really gathered there, not here
         assert report["torch"] == torch.__version__
         assert {"name": "eth0", "address": f"{cluster.address(name)}/24"} in report["interfaces"]
-        # Forwarded as launch.sh does (cluster.env() hides the GPUs); MASTER_PORT not.
-        assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": ""}
+        # Forwarded as launch.sh does (cluster.env() hides the GPUs, run() sets one thread);
+        # MASTER_PORT not.
+        assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
 @contextmanager
@@ -98,9 +99,11 @@ def test_unreachable_host_is_a_problem(cluster, tmp_path):
 @pytest.mark.parametrize("network", [{"routed": True}, {"ipv6": True}], ids=["routed", "ipv6"])
 def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(tmp_path, network):
     """On a routed network (a /32 per host), and with hosts reached over IPv6: harder than
-    the shared subnet of the other tests, whose all-reduce fails or is stopped."""
+    the shared subnet of the other tests, whose all-reduce fails or is stopped. The first
+    host, which picks the port, greets every login."""
     require_prerequisites()
     with simulated_cluster(2, **network) as other:
+        (other.host(other.hosts[0]).dir / "home" / ".bashrc").write_text('echo "Welcome to $HOSTNAME"\n')
         hostfile = other.write_hostfile(tmp_path / "hosts.txt")
         result = run_check_env(["--hosts", str(hostfile), "--allreduce"], timeout=180, env=other.env())
         assert result.returncode == 0, result.stdout + result.stderr
@@ -108,6 +111,7 @@ def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(tmp_path
         rows = allreduce_rows(result.stdout)
         assert [" ".join(row[:2]) for row in rows] == ALLREDUCE_SIZES
         assert all(row[-1] == "ok" for row in rows) and float(rows[-1][4]) > 0  # busbw of 64 MiB
+        assert f"busbw at 64 MiB: {rows[-1][4]} GB/s (averaged over every size" in result.stdout
         assert other.wait_until_idle(10) == {}
 
 
