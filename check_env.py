@@ -433,7 +433,7 @@ def job_addresses(hosts, reports):
             continue
         if address is None:
             problems.append(f"{host.entry}: its sshd sets no SSH_CONNECTION, so its address is unknown")
-        elif address.startswith("127.") or address == "::1":
+        elif (address.startswith("127.") or address == "::1") and len(hosts) > 1:  # unreachable by the others
             problems.append(
                 f"{host.entry}: reached at {address} (a tunnel?): list it by an address the other hosts can reach"
             )

@@ -2,9 +2,9 @@
 #
 # Usage: launch.sh [options] HOSTFILE NPROC_PER_NODE [SCRIPT [ARGS...]]
 #
-# Runs SCRIPT (default: train.py) under torchrun with NPROC_PER_NODE
-# processes on every host in HOSTFILE, over SSH, and waits for it. ARGS go to
-# SCRIPT untouched.
+# Runs SCRIPT (default: train.py) under torchrun on every host in HOSTFILE,
+# over SSH, with NPROC_PER_NODE processes on each (a number, or torchrun's
+# auto, gpu or cpu), and waits for it. ARGS go to SCRIPT untouched.
 #
 # HOSTFILE has one host per line, [user@]host[:port]; '#' starts a comment.
 # The first host serves the rendezvous, on a free port there. localhost and
@@ -12,13 +12,13 @@
 # here without SSH. Node ranks come from torchrun's c10d rendezvous and do
 # not necessarily follow line order.
 #
-# First every host is checked within 30 s, the first alone and then the
+# First every host is checked, the first alone for up to 5 s and then the
 # others in parallel (so that a ControlMaster the first check opens, to a
-# bastion say, serves them all): SSH, bash 4.3+, the directory, torchrun, a
-# Python 3 (torchrun's, else python3) and the script, that the address SSH
-# reached it at is one the other hosts can use (not 127.0.0.1, not another
-# host's), and on the first host that --port is free. If any check fails,
-# nothing starts.
+# bastion say, serves them all), each within 30 s: SSH, bash 4.3+, the
+# directory, torchrun, a Python 3 (torchrun's, else python3) and the script,
+# that the address SSH reached it at is one the other hosts can use (not
+# another host's, nor 127.0.0.1 where there are others), and on the first
+# host that --port is free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -202,8 +202,10 @@ address_problem() {
   local address=${addresses[$1]} other
   case $address in
     -) echo "its sshd sets no SSH_CONNECTION, so its address is unknown" ;;
-    127.* | ::1)
-      echo "reached at $address (a tunnel?): list it by an address the other hosts can reach"
+    127.* | ::1) # where there are other hosts, which cannot reach it there
+      if ((${#labels[@]} > 1)); then
+        echo "reached at $address (a tunnel?): list it by an address the other hosts can reach"
+      fi
       ;;
     *)
       if [[ -n ${seen[$address]:-} ]]; then
@@ -563,10 +565,12 @@ main() {
   hostfile=$1 nproc=$2 script=${3:-train.py}
   script_args=("${@:4}")
 
-  [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer: $nproc"
+  [[ $nproc =~ ^([1-9][0-9]*|auto|gpu|cpu)$ ]] \
+    || die "NPROC_PER_NODE must be a positive integer, or torchrun's auto, gpu or cpu: $nproc"
   case $script in
     -h | --help | --dry-run | --max-restarts* | --torchrun* | --workdir* | --env-file* | \
       --port* | --log-dir*) die "$script is an option of launch.sh: put it before HOSTFILE" ;;
+    -m | --module) die "SCRIPT is a file, not -m MODULE: give a script that runs the module" ;;
     -*) die "SCRIPT comes before its arguments: launch.sh $hostfile $nproc train.py $script ..." ;;
   esac
   [[ $max_restarts =~ ^[0-9]+$ ]] || die "--max-restarts must be a number: $max_restarts"

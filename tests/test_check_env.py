@@ -331,6 +331,12 @@ def test_addresses_other_hosts_cannot_use_are_problems():
     ]
 
 
+def test_one_host_reached_through_a_tunnel_is_fine():
+    """No other host needs to reach it there."""
+    report = host_report("b", "10.0.0.2/24", ssh_connection="127.0.0.1 40000 127.0.0.1 2222")
+    assert check_env.job_addresses(hosts("b"), [report]) == (["127.0.0.1"], [])
+
+
 def check_hosts_with(monkeypatch, capsys, tmp_path, reports, *args):
     """Run main(--hosts ...) on synthetic reports instead of real hosts."""
     hostfile = tmp_path / "hosts.txt"

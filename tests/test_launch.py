@@ -391,8 +391,9 @@ def test_one_connection_to_a_bastion_serves_the_whole_launch(cluster, tmp_path, 
     its own, and more than sshd's MaxStartups (10) drop some ("kex_exchange_identification")."""
     bastion_log = cluster.host("node1").dir / "sshd.log"
     config = tmp_path / "ssh_config"
-    config.write_text(f"Include {cluster.ssh_config}\nHost node2 node3\n  ProxyJump node1\nHost node1\n  BatchMode yes\n"
-                      f"  ControlMaster auto\n  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
+    config.write_text(f"Include {cluster.ssh_config}\nHost node2 node3\n  ProxyJump node1\n"
+                      f"Host node1\n  BatchMode yes\n  ControlMaster auto\n  ControlPath {cluster.dir}/cm-%C\n"
+                      "  ControlPersist 60\n")
     ssh = f"ssh -F {config}"
     torchrun = stand_in_torchrun(tmp_path, "echo started")
     accepted_before = bastion_log.read_text().count("Accepted publickey")
@@ -1039,10 +1040,23 @@ def test_run_with_sh_says_to_use_bash(script):
     (["hosts.txt", "2", "--arch", "cnn"],
      "SCRIPT comes before its arguments: launch.sh hosts.txt 2 train.py --arch ..."),
     (["hosts.txt", "2", "--dry-run"], "--dry-run is an option of launch.sh: put it before HOSTFILE"),
-], ids=["flag_with_value", "empty_value", "script_arguments_first", "option_last"])
+    (["hosts.txt", "2", "-m", "pkg.train"], "SCRIPT is a file, not -m MODULE: give a script that runs the module"),
+    (["hosts.txt", "all"], "NPROC_PER_NODE must be a positive integer, or torchrun's auto, gpu or cpu: all"),
+], ids=["flag_with_value", "empty_value", "script_arguments_first", "option_last", "module", "nproc"])
 def test_rejects_misplaced_arguments(start, args, message):
     launch = run_launch(start, args, launch_env(), timeout=30)
     assert (launch.proc.returncode, launch.out, launch.err) == (2, "", f"launch.sh: {message}\n")
+
+
+def test_one_host_reached_through_a_tunnel_is_fine(tmp_path, start):
+    """No other host needs to reach it; and NPROC_PER_NODE may be torchrun's word."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("tunnel\n")
+    launch = run_launch(
+        start, ["--dry-run", hostfile, "gpu", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)), timeout=30
+    )
+    assert launch.proc.returncode == 0, launch.out + launch.err
+    assert "'--local-addr=127.0.0.1'" in launch.out and "'--nproc-per-node=gpu'" in launch.out, launch.out
 
 
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
