@@ -32,6 +32,7 @@ if sys.version_info < (3, 10):  # say so, where `--python python3` finds an old 
     sys.exit(f"check_env.py needs Python 3.10 or newer, and this is {'.'.join(map(str, sys.version_info[:3]))}")
 
 import argparse
+import base64
 import contextlib
 import errno
 import ipaddress
@@ -519,8 +520,28 @@ def this_machine_names():
     return names
 
 
-def host_command(host, argv):
-    """The command line that runs argv on host: argv itself here, otherwise SSH_COMMAND with it."""
+# Runs first on a remote host, by --python: reads the forwarded variables, a line of JSON,
+# from stdin, then becomes the command (its arguments) with them set. So no value is on a
+# command line, where `ps` would show it, or where a login shell would parse it (tcsh
+# expands "!" even in single quotes). It reads byte by byte, leaving the rest of stdin to
+# the command.
+FORWARD_ENV = """\
+import json, os, sys
+line = b""
+while not line.endswith(b"\\n"):
+    byte = os.read(0, 1)
+    if not byte:
+        break
+    line += byte
+os.execvpe(sys.argv[1], sys.argv[1:], dict(os.environ, **json.loads(line.decode())))
+"""
+# As one line of base64 characters: tcsh and fish take no newline within quotes.
+FORWARD_ENV_CODE = f'import base64; exec(base64.b64decode("{base64.b64encode(FORWARD_ENV.encode()).decode()}"))'
+
+
+def host_command(host, argv, python):
+    """The command line that runs argv on host: argv itself here, otherwise SSH_COMMAND with
+    python running FORWARD_ENV, which takes the line of forwarded_input first."""
     if host.is_local:
         return argv
     ssh = os.environ.get("SSH_COMMAND", "ssh").split()
@@ -531,10 +552,15 @@ def host_command(host, argv):
                "-o", "ClearAllForwardings=yes"]
     if host.port:
         options += ["-p", host.port]
-    forwarded = [f"{k}={v}" for k, v in sorted(os.environ.items()) if FORWARDED.fullmatch(k)]
-    if forwarded:
-        argv = ["env", *forwarded, *argv]
-    return [*ssh, *options, "--", host.target, "exec " + shlex.join(argv)]
+    return [*ssh, *options, "--", host.target, "exec " + shlex.join([python, "-c", FORWARD_ENV_CODE, *argv])]
+
+
+def forwarded_input(host):
+    """What host_command's stdin starts with: a JSON line of the variables a remote host
+    gets from this environment (a local one inherits them)."""
+    if host.is_local:
+        return b""
+    return json.dumps({k: v for k, v in os.environ.items() if FORWARDED.fullmatch(k)}).encode() + b"\n"
 
 
 # The commands run_on_host has under way, each in a session of its own: a SIGTERM or
@@ -543,16 +569,26 @@ def host_command(host, argv):
 RUNNING = set()
 
 
-def run_on_host(host, argv, stdin=b"", timeout=REPORT_TIMEOUT_S):
+def start_on_host(host, argv, python, stderr):
+    """A Popen of argv on host, in a session of its own, whose stdin (a pipe) has been
+    given forwarded_input."""
+    proc = subprocess.Popen(
+        host_command(host, argv, python),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        start_new_session=True,
+    )
+    with contextlib.suppress(BrokenPipeError):  # an ssh gone at once: its status says why
+        proc.stdin.write(forwarded_input(host))
+        proc.stdin.flush()
+    return proc
+
+
+def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
     """(exit status, stdout, error text); the status is None when it could not run at all."""
     try:
-        proc = subprocess.Popen(
-            host_command(host, argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        proc = start_on_host(host, argv, python, stderr=subprocess.PIPE)
     except FileNotFoundError as exc:
         return None, "", f"cannot run {exc.filename}: not found"
     RUNNING.add(proc)
@@ -589,7 +625,7 @@ def failure(host, python, status, stderr):
 
 def fetch_report(host, python):
     """host's report, gathered by streaming this file to python there."""
-    status, stdout, stderr = run_on_host(host, [python, "-", "--json"], stdin=Path(__file__).read_bytes())
+    status, stdout, stderr = run_on_host(host, [python, "-", "--json"], python, stdin=Path(__file__).read_bytes())
     # The last JSON line: a login script may have printed something before it.
     json_lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if status != 0 or not json_lines:
@@ -722,14 +758,14 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
     """Run the benchmark on every host, each node at its address from job_addresses;
     (exit status, text to print)."""
     script = os.path.abspath(__file__)
-    found = on_every_host(hosts, lambda host: run_on_host(host, ["test", "-f", script])[0] == 0)
+    found = on_every_host(hosts, lambda host: run_on_host(host, ["test", "-f", script], python)[0] == 0)
     missing = [host.entry for host, there in zip(hosts, found) if not there]
     if missing:
         return 1, (
             f"--allreduce runs {script} through torchrun on every host, so it must be at that path "
             f"on every host (a shared filesystem or the same image); it is not on: {', '.join(missing)}"
         )
-    status, stdout, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT])
+    status, stdout, stderr = run_on_host(hosts[0], [python, "-c", FREE_PORT], python)
     ports = re.findall(r"^\d+$", stdout, re.M)  # after a login script's banner, if any
     if status != 0 or not ports:
         return 1, f"{hosts[0].entry}: cannot pick a rendezvous port: {failure(hosts[0], python, status, stderr)}"
@@ -751,7 +787,7 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
         ]
         for node, (addr, report) in enumerate(zip(addresses, reports))
     ]  # fmt: skip
-    outputs, failed, hung = run_nodes(hosts, commands)
+    outputs, failed, hung = run_nodes(hosts, commands, python)
     if hung:
         ends = "\n".join(f"{host.entry}:\n{tail(output, 5)}" for host, output in zip(hosts, outputs))
         return 1, (
@@ -768,7 +804,7 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
     return 1, "all-reduce finished without a result; output of the first host:\n" + tail(outputs[0])
 
 
-def run_nodes(hosts, commands):
+def run_nodes(hosts, commands, python):
     """Start every node (each a --run-node command), wait for all; stop them all as
     soon as one fails.
 
@@ -782,14 +818,7 @@ def run_nodes(hosts, commands):
                 # stdin stays open: its end stops the node, whether stop() closes
                 # it or this script is killed. Its own session: Ctrl-C reaches
                 # this script only, which stops the nodes in order.
-                proc = subprocess.Popen(
-                    host_command(host, argv),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                procs.append(proc)
+                procs.append(start_on_host(host, argv, python, stderr=subprocess.STDOUT))
             outputs = [readers.submit(read_all, proc.stdout) for proc in procs]
             failed, hung = wait_for_nodes(procs, time.monotonic() + ALLREDUCE_DEADLINE_S)
         finally:

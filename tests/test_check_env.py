@@ -427,16 +427,25 @@ def test_missing_or_undecodable_hosts_file_is_exit_2(capsys, tmp_path):
 
 def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypatch):
     monkeypatch.setenv("SSH_COMMAND", "ssh -F ./cluster_ssh_config")
-    for name in filter(check_env.FORWARDED.fullmatch, list(os.environ)):
-        monkeypatch.delenv(name)  # forwarded, as `env NAME=VALUE`: set by whoever runs pytest
+    monkeypatch.setenv("NCCL_SECRET", "s3cret")
     host = check_env.Host("me@node2:2222", "me", "node2", "2222", False)
-    argv = check_env.host_command(host, ["/opt/my python/bin/python", "-", "--json"])
+    python = "/opt/my python/bin/python"
+    argv = check_env.host_command(host, [python, "-", "--json"], python)
     assert argv == [
         "ssh", "-F", "./cluster_ssh_config", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
-        "-o", "ClearAllForwardings=yes", "-p", "2222", "--", "me@node2", "exec '/opt/my python/bin/python' - --json",
+        "-o", "ClearAllForwardings=yes", "-p", "2222", "--", "me@node2",
+        f"exec '{python}' -c '{check_env.FORWARD_ENV_CODE}' '{python}' - --json",
     ]  # fmt: skip
+    # The variables go on stdin, and FORWARD_ENV sets them for the command.
+    assert json.loads(check_env.forwarded_input(host))["NCCL_SECRET"] == "s3cret"
+    assert "s3cret" not in " ".join(argv)
+    command = [sys.executable, "-c", check_env.FORWARD_ENV_CODE, "sh", "-c", 'echo "$NCCL_SECRET"; cat']
+    forwarding = subprocess.run(command, input=check_env.forwarded_input(host) + b"then the command's input",
+                                capture_output=True, timeout=30)
+    assert forwarding.stdout == b"s3cret\nthen the command's input"
     local = check_env.Host("localhost", None, "localhost", None, True)
-    assert check_env.host_command(local, ["python", "-"]) == ["python", "-"]
+    assert check_env.host_command(local, ["python", "-"], "python") == ["python", "-"]
+    assert check_env.forwarded_input(local) == b""  # it inherits them
 
 
 def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
@@ -483,6 +492,7 @@ def test_run_nodes_stops_the_others_when_one_fails(tmp_path):
             # Fails once the other node has started its sleep.
             node("sh", "-c", f"while [ ! -s {pid_file} ]; do sleep 0.1; done; echo boom >&2; exit 3"),
         ],
+        sys.executable,
     )
     assert failed == 1 and not hung and outputs[1] == "boom\n"  # stderr too
     assert time.monotonic() - start < 10
@@ -494,7 +504,7 @@ def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
     monkeypatch.setattr(check_env, "ALLREDUCE_DEADLINE_S", 1)
     local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed, hung = check_env.run_nodes([local], [node("sleep", "60")])
+    outputs, failed, hung = check_env.run_nodes([local], [node("sleep", "60")], sys.executable)
     assert failed is None and hung
     assert time.monotonic() - start < 10
 

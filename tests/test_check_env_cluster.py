@@ -52,6 +52,20 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
         assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
+def test_variables_reach_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
+    """They travel on stdin, so no login shell parses them (tcsh expands "!" even in single
+    quotes)."""
+    shells = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}
+    require_prerequisites(shells.values())
+    value = "a!b 'c' \"d\" $HOME \\n"
+    with simulated_cluster(2, login_shells=shells) as odd:
+        result = run_check_env(["--hosts", str(odd.write_hostfile(tmp_path / "hosts.txt")), "--json"], timeout=120,
+                               env=odd.env(NCCL_ODD=value))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, report in json.loads(result.stdout)["hosts"].items():
+        assert report["env"]["NCCL_ODD"] == value, name
+
+
 @contextmanager
 def shell_path(cluster, tmp_path, hosts):
     """Make `python3` in hosts' non-interactive SSH shells this test's interpreter.
