@@ -374,12 +374,37 @@ def find_problems(labels, reports, nproc=None):
                     "a gloo rank can hang in destroy_process_group as the job ends (pytorch#154976; "
                     "upgrade torch)"
                 )
+            problems += missing_interfaces(label, report)
             if "gpus" in report["why_missing"]:
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
+    return problems
+
+
+def missing_interfaces(label, report):
+    """GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME naming interfaces the host lacks: names
+    differ from host to host (eth1, ens5), and gloo then fails at start-up ("Unable to find
+    address for: eth1"), NCCL at the first collective."""
+    names = sorted({interface["name"] for interface in report.get("interfaces") or []})
+    if not names:  # unknown
+        return []
+    problems = []
+    gloo = report["env"].get("GLOO_SOCKET_IFNAME")
+    missing = [name for name in (gloo or "").split(",") if name and name not in names]
+    if missing:
+        problems.append(f"{label}: GLOO_SOCKET_IFNAME={gloo}, but it has no interface {', '.join(missing)} "
+                        f"(only {', '.join(names)})")
+    # NCCL's syntax: a comma-separated list of name prefixes, "=" first for exact names, and
+    # "^" first for names to avoid (which this leaves alone).
+    nccl = report["env"].get("NCCL_SOCKET_IFNAME", "")
+    if nccl and not nccl.startswith("^"):
+        wanted = nccl.removeprefix("=").split(",")
+        matches = (name == w if nccl.startswith("=") else name.startswith(w) for name in names for w in wanted)
+        if not any(matches):
+            problems.append(f"{label}: NCCL_SOCKET_IFNAME={nccl} matches none of its interfaces ({', '.join(names)})")
     return problems
 
 

@@ -249,6 +249,16 @@ def three_hosts(b=None, c=None):
             ["a: torch 2.7.1 is older than 2.8: a gloo rank can hang in destroy_process_group as the job "
              "ends (pytorch#154976; upgrade torch)"],
         ),
+        (
+            three_hosts(
+                b=host_report("b", "10.0.0.2/24", env={"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth"}),
+                c=host_report("c", "10.0.0.3/24", env={"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "et,ib"}),
+            ),
+            None,
+            ["b: GLOO_SOCKET_IFNAME=eth1, but it has no interface eth1 (only eth0, lo)",
+             "b: NCCL_SOCKET_IFNAME==eth matches none of its interfaces (eth0, lo)"],
+        ),
+        (three_hosts(b=host_report("b", "10.0.0.2/24", env={"NCCL_SOCKET_IFNAME": "^docker,lo"})), None, []),
         # PyPI's wheel and download.pytorch.org's of one release: the CUDA and NCCL rows compare builds.
         (three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.14.1", torchvision="0.29.1")), None, []),
     ],
@@ -265,6 +275,8 @@ def three_hosts(b=None, c=None):
         "old-torch",
         "old-torch-one-host",
         "build-label",
+        "interface-names",
+        "nccl-exclusions",
     ],
 )
 def test_find_problems(reports, nproc, expected):
