@@ -816,9 +816,10 @@ def run_allreduce(hosts, reports, addresses, python, nproc):
     if hung:
         ends = "\n".join(f"{host.entry}:\n{tail(output, 5)}" for host, output in zip(hosts, outputs))
         return 1, (
-            f"not every node finished within {ALLREDUCE_DEADLINE_S} s: a hang, e.g. NCCL connecting over an "
-            "interface the others cannot reach (set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO shows its "
-            f"choice). The end of each node's output:\n{ends}"
+            f"not every node finished within {ALLREDUCE_DEADLINE_S} s, start-up included: a hang, e.g. NCCL "
+            "connecting over an interface the others cannot reach (set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO "
+            "shows its choice), or a node that is that slow to import torch (a network filesystem?). "
+            f"The end of each node's output:\n{ends}"
         )
     if failed is not None:
         return 1, explain_node_failure(hosts, failed, outputs, endpoint)
