@@ -368,7 +368,7 @@ def find_problems(labels, reports, nproc=None):
                     f"{label}: torch {report['torch']} is older than {minimum}: its torchrun sends "
                     f"workers to rank 0's host name, which every host must then resolve (upgrade torch)"
                 )
-            elif torch_older_than(report["torch"], MINIMUM_TORCH):
+            elif not uses_gpus and torch_older_than(report["torch"], MINIMUM_TORCH):  # gloo's
                 problems.append(
                     f"{label}: torch {report['torch']} is older than {'.'.join(map(str, MINIMUM_TORCH))}: "
                     "a gloo rank can hang in destroy_process_group as the job ends (pytorch#154976; "
@@ -749,13 +749,17 @@ def format_allreduce(result, nodes):
         algbw = row["bytes"] / row["seconds"] / 1e9
         busbw = algbw * 2 * (world - 1) / world  # what each link carries in a ring all-reduce
         busbws.append(busbw)
-        size = f"{row['bytes'] // 1024} KiB" if row["bytes"] < 2**20 else f"{row['bytes'] // 2**20} MiB"
         check = "ok" if row["correct"] else "WRONG SUM"
+        size = size_text(row["bytes"])
         lines.append(f"{size:>9} {row['seconds'] * 1e6:>10.1f} {algbw:>12.4g} {busbw:>12.4g}  {check}")
     # The largest size is the bandwidth; the small ones time the latency.
-    lines.append(f"busbw at {size}: {busbws[-1]:.4g} GB/s (averaged over every size, as nccl-tests' "
-                 f"\"Avg bus bandwidth\": {sum(busbws) / len(busbws):.4g} GB/s)")
+    lines.append(f"busbw at {size_text(result['rows'][-1]['bytes'])}: {busbws[-1]:.4g} GB/s (averaged over every "
+                 f"size, as nccl-tests' \"Avg bus bandwidth\": {sum(busbws) / len(busbws):.4g} GB/s)")
     return "\n".join(lines)
+
+
+def size_text(nbytes):
+    return f"{nbytes // 1024} KiB" if nbytes < 2**20 else f"{nbytes // 2**20} MiB"
 
 
 def gloo_interface(report, address):
@@ -874,7 +878,8 @@ def stop(procs):
     """Close each node's stdin, so that it stops its torchrun, and wait for the nodes to
     end; SIGKILL the process groups, here, of those that have not after NODE_STOP_S."""
     for proc in procs:
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # what start_on_host wrote to an ssh gone at once
+            proc.stdin.close()
     deadline = time.monotonic() + NODE_STOP_S
     for proc in procs:
         wait_or_kill_group(proc, max(0, deadline - time.monotonic()))

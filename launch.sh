@@ -14,7 +14,7 @@
 #
 # First every host is checked, the first alone for up to 5 s and then the
 # others in parallel (so that a ControlMaster the first check opens, to a
-# bastion say, serves them all), each within 30 s: SSH, bash 4.3+, the
+# bastion say, serves them all), these within 30 s: SSH, bash 4.3+, the
 # directory, torchrun, a Python 3 (torchrun's, else python3) and the script,
 # that the address SSH reached it at is one the other hosts can use (not
 # another host's, nor 127.0.0.1 where there are others), and on the first
@@ -25,7 +25,7 @@
 #
 # Options:
 #   --max-restarts N  restart the job on all hosts up to N times after a
-#                     worker fails (default: 0)
+#                     worker fails, not a host lost (default: 0)
 #   --torchrun PATH   torchrun to run on every host (default: the one on this
 #                     machine's PATH, at the same absolute path)
 #   --workdir DIR     directory to run in on every host (default: this one;

@@ -41,9 +41,10 @@ source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
 # any comment or options), on a line of its own even where the file's last
 # line has no newline.
 # shellcheck disable=SC2016 # expands there, not here
-readonly INSTALL_KEY='umask 077 && read -r key && read -r _ blob _ <<<"$key" &&
+readonly INSTALL_KEY='umask 077 && read -r key && read -r _ blob _ <<<"$key" && [[ -n $blob ]] &&
 mkdir -p ~/.ssh && chmod 700 ~/.ssh && keys=~/.ssh/authorized_keys &&
-{ grep -qF -- "$blob" "$keys" 2>/dev/null ||
+{ awk -v blob="$blob" "!/^[[:space:]]*#/ { for (i = 1; i <= NF; i++) if (\$i == blob) found = 1 }
+  END { exit !found }" "$keys" 2>/dev/null ||
 { if [[ -s $keys && -n $(tail -c 1 "$keys") ]]; then echo; fi; echo "$key"; } >>"$keys"; } &&
 chmod 600 "$keys"'
 
@@ -72,7 +73,7 @@ create_key() {
     return 0
   fi
   (umask 077 && mkdir -p "$(dirname -- "$key")")
-  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$HOSTNAME" -f "$key"
+  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(uname -n)" -f "$key"
   echo "setup_ssh.sh: created $key" >&2
 }
 

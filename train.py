@@ -89,14 +89,14 @@ def positive_float(text):
     return value
 
 
-def seed(text):
+def seed_number(text):
     value = int(text)
-    if not 0 <= value < 2**32:  # torch's generators take 64 bits, and the rank is added
+    if not 0 <= value < 2**32:  # as numpy takes them; torch's take 64 bits, and the rank is added
         raise argparse.ArgumentTypeError(f"must be 0 to 2**32 - 1, got {text}")
     return value
 
 
-def seconds(text):
+def timeout_seconds(text):
     value = positive_int(text)
     if value > 86400:  # a datetime.timedelta overflows past 10**14 s; a day is ample
         raise argparse.ArgumentTypeError(f"must be at most 86400 (a day), got {text}")
@@ -134,14 +134,14 @@ def parse_args(argv=None):
     p.add_argument("--accum-steps", type=positive_int, default=1,
                    help="micro-steps per optimizer step (gradient accumulation)")
     p.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate")
-    p.add_argument("--seed", type=seed, default=0, help="seed of weights and data order")
+    p.add_argument("--seed", type=seed_number, default=0, help="seed of weights and data order")
     p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
                    help="mixed precision; fp16 uses a gradient scaler, bf16 needs none")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="process group backend; auto is nccl on CUDA, gloo on CPU "
                         "(gloo trains on the CPU even where there are GPUs)")
-    p.add_argument("--timeout", type=seconds, default=300,
+    p.add_argument("--timeout", type=timeout_seconds, default=300,
                    help="seconds a collective may wait for a peer before the job fails")
     p.add_argument("--checkpoint-dir", type=nonempty, default=None,
                    help="save DIR/last.pt there, and resume from it when it exists")

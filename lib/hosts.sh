@@ -33,7 +33,7 @@ read_hostfile() {
   local file=$1 line n=0 user host name port key is_local own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
-  own_names=(localhost "$HOSTNAME" "$(hostname -f 2>/dev/null || true)")
+  own_names=(localhost "$(uname -n)" "$(hostname -f 2>/dev/null || true)")
   read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
   own_names+=("${addresses[@]}")
   own_names=("${own_names[@],,}")

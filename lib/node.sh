@@ -174,7 +174,7 @@ os.execvp(command[0], command)'
     kill -s KILL "$torchrun_pid" 2>/dev/null || true
     signal_marked "$job_mark" TERM
     for _ in {1..25}; do
-      marked_pids "$job_mark" | grep -qvxF "$torchrun_pid" || break # none left but torchrun
+      [[ -n $(marked_pids "$job_mark") ]] || break
       sleep 0.2
     done
     signal_marked "$job_mark" KILL

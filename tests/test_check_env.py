@@ -261,6 +261,8 @@ def three_hosts(b=None, c=None):
         (three_hosts(b=host_report("b", "10.0.0.2/24", env={"NCCL_SOCKET_IFNAME": "^docker,lo"})), None, []),
         # PyPI's wheel and download.pytorch.org's of one release: the CUDA and NCCL rows compare builds.
         (three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.14.1", torchvision="0.29.1")), None, []),
+        # The hang at exit is gloo's: a GPU job runs on nccl.
+        ([host_report("a", "10.0.0.1/24", torch="2.7.1", gpus=gpus(1))], None, []),
     ],
     ids=[
         "match",
@@ -274,9 +276,10 @@ def three_hosts(b=None, c=None):
         "cpu-nproc",
         "old-torch",
         "old-torch-one-host",
-        "build-label",
         "interface-names",
         "nccl-exclusions",
+        "build-label",
+        "old-torch-gpus",
     ],
 )
 def test_find_problems(reports, nproc, expected):

@@ -102,6 +102,9 @@ def test_a_key_is_added_once_under_any_comment(cluster, tmp_path, line_end):
     Path(f"{key}.pub").write_text(f"{key_type} {blob} me@laptop{line_end}")
     has_it, lacks_it = (cluster.host(h).dir / "home/.ssh/authorized_keys" for h in cluster.hosts)
     has_it.parent.mkdir(mode=0o700, exist_ok=True)
+    lacks_it.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(lacks_it, "a") as f:
+        f.write(f"# disabled: {key_type} {blob} me@laptop\n")  # a comment holds no key
     with open(has_it, "a") as f:
         f.write(f"no-pty {key_type} {blob} the-same-key-added-by-hand\n")
     before = has_it.read_bytes()
