@@ -1048,23 +1048,23 @@ def test_rejects_misplaced_arguments(start, args, message):
     assert (launch.proc.returncode, launch.out, launch.err) == (2, "", f"launch.sh: {message}\n")
 
 
+def dry_run_on_made_up_hosts(start, tmp_path, hosts, nproc):
+    """launch.sh --dry-run on ssh_here's made-up hosts."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"{host}\n" for host in hosts))
+    return run_launch(start, ["--dry-run", hostfile, nproc, *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
+                      timeout=30)
+
+
 def test_one_host_reached_through_a_tunnel_is_fine(tmp_path, start):
     """No other host needs to reach it; and NPROC_PER_NODE may be torchrun's word."""
-    hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("tunnel\n")
-    launch = run_launch(
-        start, ["--dry-run", hostfile, "gpu", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)), timeout=30
-    )
+    launch = dry_run_on_made_up_hosts(start, tmp_path, ["tunnel"], "gpu")
     assert launch.proc.returncode == 0, launch.out + launch.err
     assert "'--local-addr=127.0.0.1'" in launch.out and "'--nproc-per-node=gpu'" in launch.out, launch.out
 
 
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
-    hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("fine\nbox1\nbox2\ntunnel\nbare\n")
-    launch = run_launch(
-        start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)), timeout=30
-    )
+    launch = dry_run_on_made_up_hosts(start, tmp_path, ["fine", "box1", "box2", "tunnel", "bare"], "1")
     assert launch.proc.returncode == 1, launch.out + launch.err
     failed = dict(re.findall(r"^  (\S+) +(.*)$", launch.err, re.M))
     assert failed.keys() == {"box2", "tunnel", "bare"}, launch.err
