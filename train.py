@@ -50,6 +50,9 @@ RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend
 PER_NODE_ARGS = ["data"]
 # What save_checkpoint writes; a file without all of it was not written by this train.py.
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
+# What gloo's collectives raise on a rank whose peer is gone (it failed, or was stopped) or
+# stayed away past --timeout: plain RuntimeErrors, known by their text.
+LOST_PEER_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
 
 
 class UsageError(Exception):
@@ -923,6 +926,14 @@ def main(argv=None):
                       if last and os.path.exists(last) else "")
             print(f"train.py: interrupted{resume}", file=sys.stderr)
         sys.exit(130)
+    except RuntimeError as e:
+        if not (distributed() and any(text in str(e) for text in LOST_PEER_TEXTS)):
+            raise
+        # The fault is another rank's, and its log says why: one line here, so that every
+        # other rank's traceback does not bury that rank's.
+        print_errors([f"rank {dist.get_rank()} lost a peer (one that failed, was stopped, or "
+                      f"stayed away past --timeout: its log says why): {describe(e)}"])
+        sys.exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.
         if distributed():

@@ -298,6 +298,30 @@ def torchrun_patched(tmp_path, patch, *args):
     return result
 
 
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_rank_that_loses_its_peer_says_so_in_one_line(tmp_path, fault):
+    # Rank 1 stops in its third forward pass, so rank 0 waits for it in that step's
+    # all-reduce. Rank 0 ignores SIGTERM: torchrun's stop, once rank 1 is gone, must not
+    # end it before the all-reduce fails.
+    patch = f"""import signal, time
+if os.environ["RANK"] == "1":
+    forward, calls = train.SmallCNN.forward, []
+    def stopping_forward(self, x):
+        calls.append(x)
+        if len(calls) == 3:
+            os._exit(1) if {fault!r} == "dies" else time.sleep(60)
+        return forward(self, x)
+    train.SmallCNN.forward = stopping_forward
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+"""
+    result = torchrun(2, "--arch", "cnn", "--dataset", "synthetic", "--timeout", "3",
+                      script=patched_train(tmp_path, patch), timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("train.py: error: rank 0 lost a peer (") == 1, result.stderr
+    assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
+
+
 def test_a_download_longer_than_the_timeout_is_waited_for(mnist_dir, tmp_path):
     """Rank 1 waits 10 s for rank 0's download with --timeout 4: no collective lasts as long."""
     patch = f"""import shutil, time, torchvision
