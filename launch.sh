@@ -15,10 +15,11 @@
 # First every host is checked, the first alone for up to 5 s and then the
 # others in parallel (so that a ControlMaster the first check opens, to a
 # bastion say, serves them all), these within 30 s: SSH, bash 4.3+, the
-# directory, torchrun, a Python 3 (torchrun's, else python3) and the script,
-# that the address SSH reached it at is one the other hosts can use (not
-# another host's, nor 127.0.0.1 where there are others), and on the first
-# host that --port is free. If any check fails, nothing starts.
+# directory, torchrun, a Python 3 (torchrun's, else python3), the script,
+# the interfaces that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name (where
+# sent or set there), that the address SSH reached it at is one the other
+# hosts can use (not another host's, nor 127.0.0.1 where there are others),
+# and on the first host that --port is free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -140,6 +141,15 @@ collect_env() {
   fi
 }
 
+# Prints the value env_entries gives variable $1, or "-" where none does.
+sent_value() {
+  local entry value=-
+  for entry in "${env_entries[@]}"; do
+    if [[ $entry == "$1"=* ]]; then value=${entry#*=}; fi
+  done
+  echo "$value"
+}
+
 # Sleeps POLL_SECONDS in this shell. The program sleep would put this
 # script's traps off until it ended, and hold the hosts' pipes open meanwhile.
 poll_pause() {
@@ -150,7 +160,8 @@ poll_pause() {
 start_check() {
   local node_port=-
   if (($1 == 0)); then node_port=${port:-free}; fi
-  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port"
+  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" \
+    "$(sent_value GLOO_SOCKET_IFNAME)" "$(sent_value NCCL_SOCKET_IFNAME)"
   "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 </dev/null &
   pending[$!]=$1
 }

@@ -20,10 +20,12 @@ torchrun_python() {
 
 # Runs on each host: checks what run_node needs, the directory, torchrun and
 # script. On the first host, PORT is the rendezvous port to check, or "free"
-# to pick one; elsewhere "-". Prints "ok SSH_CONNECTION PORT" ("-" where
-# unknown).
+# to pick one; elsewhere "-". GLOO and NCCL are the GLOO_SOCKET_IFNAME and
+# NCCL_SOCKET_IFNAME the job gets, or "-" where it gets this host's own.
+# Prints "ok SSH_CONNECTION PORT" ("-" where unknown).
 check_node() {
-  local workdir=$1 torchrun=$2 script=$3 port=$4 python
+  local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 python
+  local interfaces=() names=() missing=() name prefix matched
   echo # ends a line that the host's login scripts may have left open, a banner say
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
@@ -44,6 +46,35 @@ check_node() {
     return 1
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
+  # Interface names differ from host to host (eth0, ens5): gloo fails at start-up
+  # on one this host lacks, NCCL at its first collective.
+  [[ $gloo != - ]] || gloo=${GLOO_SOCKET_IFNAME-}
+  [[ $nccl != - ]] || nccl=${NCCL_SOCKET_IFNAME-}
+  for name in /sys/class/net/*; do interfaces+=("${name##*/}"); done
+  IFS=, read -ra names <<<"$gloo"
+  for name in "${names[@]}"; do
+    [[ -z $name || -e /sys/class/net/$name ]] || missing+=("$name")
+  done
+  if ((${#missing[@]})); then
+    echo "fail: GLOO_SOCKET_IFNAME=$gloo, but no interface ${missing[*]} here (only ${interfaces[*]}):" \
+      "unset it, and launch.sh picks each host's own"
+    return 1
+  fi
+  # NCCL's syntax: comma-separated prefixes, or exact names after "=", or names to
+  # avoid after "^" (which cannot be missing).
+  if [[ -n $nccl && $nccl != ^* ]]; then
+    IFS=, read -ra names <<<"${nccl#=}"
+    matched=''
+    for name in "${interfaces[@]}"; do
+      for prefix in "${names[@]}"; do
+        if [[ $nccl == =* && $name == "$prefix" || $nccl != =* && $name == "$prefix"* ]]; then matched=yes; fi
+      done
+    done
+    if [[ -z $matched ]]; then
+      echo "fail: NCCL_SOCKET_IFNAME=$nccl matches no interface here (only ${interfaces[*]})"
+      return 1
+    fi
+  fi
   if [[ $port == free ]]; then
     port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
       || { echo "fail: cannot pick a free port"; return 1; }

@@ -334,6 +334,42 @@ def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
         assert gloo_interface_on_node1(cluster, tmp_path, start, bashrc=f"export {given}") == "lo"
 
 
+@pytest.mark.parametrize("sent, problem", [
+    ({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth"}, None),
+    ({"NCCL_SOCKET_IFNAME": "=eth0,ib0"}, None),
+    ({"NCCL_SOCKET_IFNAME": "^docker,ib"}, None),
+    ({"GLOO_SOCKET_IFNAME": "eth0,ens5,ib0"}, "GLOO_SOCKET_IFNAME=eth0,ens5,ib0, but no interface ens5 ib0 "
+                                              "here (only eth0 lo): unset it, and launch.sh picks each host's own"),
+    ({"NCCL_SOCKET_IFNAME": "ib,ens"}, "NCCL_SOCKET_IFNAME=ib,ens matches no interface here (only eth0 lo)"),
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, "NCCL_SOCKET_IFNAME==eth matches no interface here (only eth0 lo)"),
+], ids=["names", "exact", "avoided", "gloo_missing", "nccl_prefix_missing", "nccl_exact_missing"])
+def test_preflight_checks_the_interfaces_named_for_gloo_and_nccl(cluster, tmp_path, start, sent, problem):
+    """Names differ from host to host (eth0, ens5): gloo would fail at start-up on one a host
+    lacks, NCCL at its first collective."""
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(cluster, **sent), timeout=30)
+    if problem is None:
+        assert launch.proc.returncode == 0, launch.err
+    else:
+        assert launch.proc.returncode == 1
+        for host in ("node1", "node2"):
+            assert re.search(rf"^  {host}  {re.escape(problem)}$", launch.err, re.M), launch.err
+
+
+def test_preflight_checks_a_hosts_own_gloo_interface(cluster, tmp_path, start):
+    bashrc = cluster.host("node2").dir / "home" / ".bashrc"  # read by bash for ssh commands
+    bashrc.write_text("export GLOO_SOCKET_IFNAME=ens5\n")
+    try:
+        launch = run_launch(start, ["--dry-run", cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"]),
+                                    "1", *TRAIN], launch_env(cluster), timeout=30)
+    finally:
+        bashrc.unlink()
+    assert launch.proc.returncode == 1
+    assert re.findall(r"^  (\S+) +(.*)$", launch.err, re.M) == [
+        ("node2", "GLOO_SOCKET_IFNAME=ens5, but no interface ens5 here (only eth0 lo): unset it, and launch.sh "
+                  "picks each host's own")], launch.err
+
+
 def test_gloo_interface_found_on_a_host_without_ip(cluster, tmp_path, start):
     """A host without iproute2 (a container, say): Python finds the interface instead."""
     tools = tmp_path / "tools"  # all that the host's PATH holds
