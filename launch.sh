@@ -507,6 +507,20 @@ wait_for_hosts() {
   done
 }
 
+# The rendezvous store lives in the first host's torchrun. Once that host's job
+# fails, the other hosts' torchruns fail at once for want of it, with a
+# RendezvousConnectionError, and one of them may end before that torchrun has.
+# The first host then failed first, unless it was stopped (143).
+blame_the_store_host() {
+  local i=$first_failure
+  if [[ -n $i && $i != 0 && ${statuses[0]} =~ ^[0-9]+$ ]] \
+    && ((statuses[0] != 0 && statuses[0] != 143)) \
+    && tail -n 5 "$log_dir/${labels[i]}.log" | grep -q 'RendezvousConnectionError: '; then
+    first_failure=0
+    unset "stopped[0]" # it ended of itself
+  fi
+}
+
 # Prints the last 20 lines of log $1 before torchrun's closing report: a
 # traceback of its own that ends in ChildFailedError, and a table, 40 lines
 # or more that would push out the workers' error above them. Above them, the
@@ -624,6 +638,7 @@ main() {
   mkdir -p "$log_dir"
   start_hosts
   wait_for_hosts
+  blame_the_store_host
   print_summary || true # a full disk under stderr loses the summary, not the exit status
   if [[ -n $signal_status ]]; then exit "$signal_status"; fi
   if [[ -n $first_failure ]]; then exit 1; fi

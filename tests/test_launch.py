@@ -758,6 +758,24 @@ def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start, train):
     assert_nothing_left(cluster, launch)
 
 
+def test_the_first_host_failed_first_when_the_others_lost_its_store(cluster, tmp_path, start):
+    """The first host's job fails, and its torchrun, home of the rendezvous store, takes its
+    time to end (here: a process holds its output, which launch.sh gives up on after 1 s).
+    The other host's torchrun fails at once for want of the store, and ends first."""
+    torchrun = stand_in_torchrun(tmp_path, """case "$*" in
+  *is_host=1*) echo 'ValueError: the cause'; env -u LAUNCH_JOB sleep 3 & exit 1 ;;
+  *) sleep 0.3; echo 'torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection'
+    exit 1 ;;
+esac""")
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
+    launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN],
+                        launch_env(cluster), timeout=30)
+    assert launch.proc.returncode == 1
+    assert re.search(r"^  node1  1 +\d+\n  node2  1 +\d+\n", launch.err, re.M), launch.err  # neither stopped
+    assert launch.err.endswith("launch.sh: node1 failed first (exit 1); the end of its log:\n"
+                               "  node1: ValueError: the cause\n"), launch.err
+
+
 def test_a_failed_host_shows_launch_shs_lines_above_the_end(tmp_path, start):
     """What launch.sh's code on a host said, 30 lines and more before the end of its log,
     still shows in the summary."""
