@@ -1001,6 +1001,11 @@ def check_hosts(args):
     labels = [host.entry for host in hosts]
     addresses, address_problems = job_addresses(hosts, reports)
     problems = find_problems(labels, reports, args.nproc) + address_problems
+    # For --allreduce: one process per GPU, or 1 on CPU. Refused before any table is printed.
+    nproc = args.nproc or max(1, min(len(r.get("gpus") or []) for r in reports))
+    if args.allreduce and not problems and len(hosts) * nproc < 2:
+        raise UsageError(f"--allreduce needs 2 processes or more, and this is {len(hosts)} host x {nproc} "
+                         "process: add hosts, or --nproc 2")
     if args.json:
         print(json.dumps({"hosts": dict(zip(labels, reports)), "problems": problems}, indent=2))
         return 1 if problems else 0
@@ -1015,10 +1020,6 @@ def check_hosts(args):
     print(f"OK: all {len(hosts)} host(s) match on python, torch, torchvision, CUDA runtime and NCCL")
     if not args.allreduce:
         return 0
-    nproc = args.nproc or max(1, min(len(r["gpus"]) for r in reports))  # one process per GPU, or 1 on CPU
-    if len(hosts) * nproc < 2:
-        raise UsageError(f"--allreduce needs 2 processes or more, and this is {len(hosts)} host x {nproc} "
-                         "process: add hosts, or --nproc 2")
     print(f"\nall-reduce: starting torchrun on {len(hosts)} host(s) x {nproc} process(es)...", flush=True)
     status, text = run_allreduce(hosts, reports, addresses, args.python, nproc)
     print(text)
