@@ -893,7 +893,9 @@ def train(args, rank, local_rank, world_size, device):
                    "train_loss": train_loss, "test_loss": test_loss,
                    "test_accuracy": test_accuracy, "test_samples": test_samples,
                    "samples_per_sec": samples / seconds, "partial": partial}
-            log(f"epoch {epoch + 1}/{args.epochs}{' (partial)' if partial else ''} step {step} "
+            # A resumed or shortened epoch's figures are of the steps this run trained.
+            steps = f" (steps {done + 1}-{stop} of {steps_per_epoch})" if partial else ""
+            log(f"epoch {epoch + 1}/{args.epochs}{steps} step {step} "
                 f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
                 f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
                 f"eta {eta(step)}")

@@ -120,6 +120,7 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
     assert "resumed from" in resumed.stdout
     # The resumed epoch's row covers only its last two steps, and says so.
     assert [r["partial"] for r in metrics(tmp_path / "resumed.jsonl")] == [True, False]
+    assert "epoch 1/2 (steps 5-6 of 6) step 6 train_loss" in resumed.stdout, resumed.stdout
     whole, again = load(tmp_path / "whole" / "last.pt"), load(tmp_path / "resumed" / "last.pt")
     assert whole["step"] == again["step"] == 12
     assert_same_tensors(whole["model"], again["model"])
@@ -333,7 +334,7 @@ torchvision.datasets.MNIST = slow_download"""
                       "--timeout", "4", "--max-steps", "2", script=patched_train(tmp_path, patch),
                       timeout=60)
     assert_ok(result)
-    assert "(partial) step 2 train_loss" in result.stdout, result.stdout
+    assert "(steps 1-2 of 16) step 2 train_loss" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("stalled, error", [
