@@ -32,7 +32,7 @@
 #   --workdir DIR     directory to run in on every host (default: this one;
 #                     a relative DIR is taken from this one)
 #   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
-#                     (no $VAR expansion, no quote removal)
+#                     (no $VAR expansion, no quote removal: it warns of either)
 #   --port PORT       rendezvous port on the first host (default: a free one)
 #   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
 #   --dry-run         check the hosts, print each host's command, start nothing
@@ -124,7 +124,7 @@ build_command() {
 
 # Fills env_entries with what every host gets in its environment.
 collect_env() {
-  local name line n=0
+  local name line value n=0
   env_entries=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) # a fresh store per restart round
   while IFS= read -r name; do
     if [[ $name =~ $FORWARDED ]]; then env_entries+=("$name=${!name}"); fi
@@ -136,6 +136,10 @@ collect_env() {
       line=${line%$'\r'} # written on Windows
       [[ $(trim "$line") =~ ^(#|$) ]] && continue
       [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
+      value=${line#*=}
+      if [[ $value == *'$'* || $value == \"*\" || $value == \'*\' ]]; then # as a shell's .env has them
+        echo "launch.sh: warning: $env_file:$n: ${line%%=*} gets its value as written, quotes and \$ included" >&2
+      fi
       env_entries+=("$line")
     done <"$env_file"
   fi

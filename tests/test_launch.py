@@ -583,6 +583,17 @@ def test_rejects_bad_env_file(tmp_path, start):
     assert not ssh_called.exists()
 
 
+def test_env_file_values_with_quotes_or_dollars_are_warned_of(tmp_path, start):
+    env_file = tmp_path / "env"
+    env_file.write_text("PLAIN=a b\nQUOTED=\"a b\"\nEXPANDED=/opt/bin:$PATH\nSINGLE='s3cret'\n")
+    launch = run_launch(start, ["--dry-run", "--env-file", env_file, REPO / "hosts.txt", "1"], launch_env(),
+                        timeout=30)
+    assert launch.proc.returncode == 0, launch.err
+    assert launch.err == "".join(
+        f"launch.sh: warning: {env_file}:{n}: {name} gets its value as written, quotes and $ included\n"
+        for n, name in ((2, "QUOTED"), (3, "EXPANDED"), (4, "SINGLE")))  # and no value
+
+
 def test_rejects_arguments_that_do_not_fit_in_one_ssh_command(tmp_path, start):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("node1\n")
