@@ -491,6 +491,21 @@ def check_no_batch_of_one(model, samples_per_rank, batch_size):
     stop_together(error)
 
 
+def check_compile_works(device):
+    """torch.compile needs a compiler on the machine (a C++ one on CPU; Triton's C one on
+    GPU). Without one every rank would fail at its first step, in a long traceback. Tried
+    on a one-line function, before any training: a second or less once torch.compile has
+    loaded, which the model's compile then skips."""
+    error = None
+    try:
+        torch.compile(lambda x: x + 1)(torch.ones(1, device=device))
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        error = (f"--compile cannot compile here ({type(e).__name__}: {first_line}): install "
+                 "a C/C++ compiler (gcc, g++), or drop --compile")
+    stop_together(error)
+
+
 def build_model(arch):
     if arch == "cnn":
         return SmallCNN()
@@ -835,6 +850,7 @@ def train(args, rank, local_rank, world_size, device):
 
     ddp_model = wrap_ddp(model, device)
     if args.compile:
+        check_compile_works(device)
         ddp_model = torch.compile(ddp_model)
 
     def save(step):  # every rank calls it: RNG states are gathered from all

@@ -527,6 +527,14 @@ def test_damaged_mnist_file_is_one_line_naming_it(mnist_dir, tmp_path, capfd, da
     assert f"cannot read them (ValueError: {labels} {message})" in err
 
 
+def test_compile_without_a_compiler_is_one_line_before_training(tmp_path):
+    env = {"CXX": str(tmp_path / "no-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    result = run([sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--compile"], env=env)
+    assert result.returncode == 1 and "epoch 1/" not in result.stdout
+    assert result.stderr.count("train.py: error: --compile cannot compile here (") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_dir, tmp_path):
     # 512 samples in steps of 48: the last step has 32, as micro-batches of 24 and 8.
     for batch, accum in ((48, 1), (24, 2)):
