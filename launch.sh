@@ -135,7 +135,8 @@ collect_env() {
       n=$((n + 1))
       line=${line%$'\r'} # written on Windows
       [[ $(trim "$line") =~ ^(#|$) ]] && continue
-      [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not KEY=VALUE: $line"
+      [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] \
+        || die "$env_file:$n: not KEY=VALUE (no export, no spaces around =): ${line%%=*}" # (no value)
       value=${line#*=}
       if [[ $value == *'$'* || $value == \"*\" || $value == \'*\' ]]; then # as a shell's .env has them
         echo "launch.sh: warning: $env_file:$n: ${line%%=*} gets its value as written, quotes and \$ included" >&2
@@ -500,7 +501,7 @@ wait_for_hosts() {
       statuses[i]=$status
       durations[i]=$((SECONDS - started[i])) # or, if the clock stepped back, the polls':
       ((durations[i] >= polls / POLLS_PER_SECOND)) || durations[i]=$((polls / POLLS_PER_SECOND))
-      if [[ -n $stopping ]]; then stopped[i]=yes; fi
+      if [[ -n $stopping ]] && ((status == 143)); then stopped[i]=yes; fi # (else it ended by itself)
       if ((status != 0)) && [[ -z $stopping && -z $first_failure ]]; then
         first_failure=$i
         stop_hosts
@@ -511,18 +512,13 @@ wait_for_hosts() {
   done
 }
 
-# The rendezvous store lives in the first host's torchrun. Once that host's job
-# fails, the other hosts' torchruns fail at once for want of it, with a
-# RendezvousConnectionError, and one of them may end before that torchrun has.
-# The first host then failed first, unless it was stopped (143).
-blame_the_store_host() {
-  local i=$first_failure
-  if [[ -n $i && $i != 0 && ${statuses[0]} =~ ^[0-9]+$ ]] \
-    && ((statuses[0] != 0 && statuses[0] != 143)) \
-    && tail -n 5 "$log_dir/${labels[i]}.log" | grep -q 'RendezvousConnectionError: '; then
-    first_failure=0
-    unset "stopped[0]" # it ended of itself
-  fi
+# Whether host number $1 failed for want of the rendezvous store, which lives
+# in the first host's torchrun: once that host's job fails, the others'
+# torchruns fail at once (RendezvousConnectionError), and may end before it.
+lost_the_store() {
+  local status=${statuses[0]}
+  (($1 != 0)) && [[ $status =~ ^[0-9]+$ ]] && ((status != 0 && status != 143)) \
+    && [[ $(tail -n 5 "$log_dir/${labels[$1]}.log") == *'RendezvousConnectionError: '* ]]
 }
 
 # Prints the last 20 lines of log $1 before torchrun's closing report: a
@@ -552,7 +548,14 @@ print_summary() {
         255) [[ -n ${local_node[i]} ]] || why+=": ssh lost the connection to it, or could not make one" ;;
         143) why+=": a SIGTERM there, or $SILENCE_SECONDS s without a word from launch.sh (was it stopped?)" ;;
       esac
-      echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
+      if lost_the_store "$i"; then
+        echo "launch.sh: ${labels[i]} failed first ($why): its torchrun lost the rendezvous store," \
+          "which ${labels[0]}'s serves; ${labels[0]} ended by itself (exit ${statuses[0]}), and the" \
+          "end of its log may say why:"
+        i=0
+      else
+        echo "launch.sh: ${labels[i]} failed first ($why); the end of its log:"
+      fi
       print_log_end "$log_dir/${labels[i]}.log" | prefix_lines "  ${labels[i]}"
     fi
     if ((${#left[@]})); then
@@ -642,7 +645,6 @@ main() {
   mkdir -p "$log_dir"
   start_hosts
   wait_for_hosts
-  blame_the_store_host
   print_summary || true # a full disk under stderr loses the summary, not the exit status
   if [[ -n $signal_status ]]; then exit "$signal_status"; fi
   if [[ -n $first_failure ]]; then exit 1; fi

@@ -52,7 +52,8 @@ PER_NODE_ARGS = ["data"]
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 # What gloo's collectives raise on a rank whose peer is gone (it failed, or was stopped) or
 # stayed away past --timeout: plain RuntimeErrors, known by their text.
-LOST_PEER_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+LOST_PEER_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "Timed out waiting")
 
 
 class UsageError(Exception):
@@ -492,17 +493,19 @@ def check_no_batch_of_one(model, samples_per_rank, batch_size):
 
 
 def check_compile_works(device):
-    """torch.compile needs a compiler on the machine (a C++ one on CPU; Triton's C one on
-    GPU). Without one every rank would fail at its first step, in a long traceback. Tried
-    on a one-line function, before any training: a second or less once torch.compile has
-    loaded, which the model's compile then skips."""
+    """torch.compile needs a compiler on the machine (C++ on CPU, C for Triton on GPU),
+    among other things; where it cannot work, every rank would fail at its first step, in
+    a long traceback. A one-line function compiled first says so before training, for a
+    second or less beyond what the model's compile would spend anyway."""
     error = None
     try:
         torch.compile(lambda x: x + 1)(torch.ones(1, device=device))
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
-        error = (f"--compile cannot compile here ({type(e).__name__}: {first_line}): install "
-                 "a C/C++ compiler (gcc, g++), or drop --compile")
+        fix = "drop --compile"
+        if "compiler" in first_line.lower():
+            fix = "install a C/C++ compiler (gcc, g++), or " + fix
+        error = f"--compile cannot compile here ({type(e).__name__}: {first_line}): {fix}"
     stop_together(error)
 
 
@@ -910,8 +913,8 @@ def train(args, rank, local_rank, world_size, device):
                    "test_accuracy": test_accuracy, "test_samples": test_samples,
                    "samples_per_sec": samples / seconds, "partial": partial}
             # A resumed or shortened epoch's figures are of the steps this run trained.
-            steps = f" (steps {done + 1}-{stop} of {steps_per_epoch})" if partial else ""
-            log(f"epoch {epoch + 1}/{args.epochs}{steps} step {step} "
+            covered = f" (its steps {done + 1}-{stop} of {steps_per_epoch})" if partial else ""
+            log(f"epoch {epoch + 1}/{args.epochs}{covered} step {step} "
                 f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
                 f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
                 f"eta {eta(step)}")
@@ -947,10 +950,10 @@ def main(argv=None):
     except RuntimeError as e:
         if not (distributed() and any(text in str(e) for text in LOST_PEER_TEXTS)):
             raise
-        # The fault is another rank's, and its log says why: one line here, so that every
-        # other rank's traceback does not bury that rank's.
-        print_errors([f"rank {dist.get_rank()} lost a peer (one that failed, was stopped, or "
-                      f"stayed away past --timeout: its log says why): {describe(e)}"])
+        # Most likely another rank failed first: one line here, so that the tracebacks of
+        # the ranks that lost it do not bury that rank's.
+        print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, or "
+                      f"stayed away past --timeout): {describe(e)}"])
         sys.exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.

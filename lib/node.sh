@@ -25,7 +25,7 @@ torchrun_python() {
 # Prints "ok SSH_CONNECTION PORT" ("-" where unknown).
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 python
-  local interfaces=() names=() missing=() name prefix matched
+  local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from
   echo # ends a line that the host's login scripts may have left open, a banner say
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
@@ -47,31 +47,38 @@ check_node() {
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
   # Interface names differ from host to host (eth0, ens5): gloo fails at start-up
-  # on one this host lacks, NCCL at its first collective.
-  [[ $gloo != - ]] || gloo=${GLOO_SOCKET_IFNAME-}
-  [[ $nccl != - ]] || nccl=${NCCL_SOCKET_IFNAME-}
-  for name in /sys/class/net/*; do interfaces+=("${name##*/}"); done
+  # on one this host lacks, NCCL at its first collective. /proc/self/net/dev lists
+  # the interfaces of this process's network namespace, two header lines first.
+  gloo_from='from launch.sh' nccl_from='from launch.sh'
+  if [[ $gloo == - ]]; then gloo=${GLOO_SOCKET_IFNAME-} gloo_from='set on this host'; fi
+  if [[ $nccl == - ]]; then nccl=${NCCL_SOCKET_IFNAME-} nccl_from='set on this host'; fi
+  {
+    read -r _ && read -r _
+    while IFS=: read -r name _; do interfaces+=("${name// /}"); done
+  } </proc/self/net/dev
   IFS=, read -ra names <<<"$gloo"
   for name in "${names[@]}"; do
-    [[ -z $name || -e /sys/class/net/$name ]] || missing+=("$name")
+    [[ -z $name || " ${interfaces[*]} " == *" $name "* ]] || missing+=("$name")
   done
   if ((${#missing[@]})); then
-    echo "fail: GLOO_SOCKET_IFNAME=$gloo, but no interface ${missing[*]} here (only ${interfaces[*]}):" \
-      "unset it, and launch.sh picks each host's own"
+    echo "fail: GLOO_SOCKET_IFNAME=$gloo ($gloo_from), but no interface ${missing[*]} here" \
+      "(only ${interfaces[*]}): unset it, and launch.sh picks each host's own"
     return 1
   fi
   # NCCL's syntax: comma-separated prefixes, or exact names after "=", or names to
-  # avoid after "^" (which cannot be missing).
+  # avoid after "^" (which this leaves alone); each may end in ":PORT".
   if [[ -n $nccl && $nccl != ^* ]]; then
     IFS=, read -ra names <<<"${nccl#=}"
     matched=''
     for name in "${interfaces[@]}"; do
       for prefix in "${names[@]}"; do
+        prefix=${prefix%%:*}
+        [[ -n $prefix ]] || continue
         if [[ $nccl == =* && $name == "$prefix" || $nccl != =* && $name == "$prefix"* ]]; then matched=yes; fi
       done
     done
     if [[ -z $matched ]]; then
-      echo "fail: NCCL_SOCKET_IFNAME=$nccl matches no interface here (only ${interfaces[*]})"
+      echo "fail: NCCL_SOCKET_IFNAME=$nccl ($nccl_from) matches no interface here (only ${interfaces[*]})"
       return 1
     fi
   fi

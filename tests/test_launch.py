@@ -336,12 +336,15 @@ def test_gloo_interface_given_is_kept(cluster, tmp_path, start, where):
 
 @pytest.mark.parametrize("sent, problem", [
     ({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth"}, None),
-    ({"NCCL_SOCKET_IFNAME": "=eth0,ib0"}, None),
+    ({"NCCL_SOCKET_IFNAME": "=eth0:1,ib0"}, None),  # NCCL takes NAME:PORT too
     ({"NCCL_SOCKET_IFNAME": "^docker,ib"}, None),
-    ({"GLOO_SOCKET_IFNAME": "eth0,ens5,ib0"}, "GLOO_SOCKET_IFNAME=eth0,ens5,ib0, but no interface ens5 ib0 "
-                                              "here (only eth0 lo): unset it, and launch.sh picks each host's own"),
-    ({"NCCL_SOCKET_IFNAME": "ib,ens"}, "NCCL_SOCKET_IFNAME=ib,ens matches no interface here (only eth0 lo)"),
-    ({"NCCL_SOCKET_IFNAME": "=eth"}, "NCCL_SOCKET_IFNAME==eth matches no interface here (only eth0 lo)"),
+    ({"GLOO_SOCKET_IFNAME": "eth0,ens5,ib0"}, "GLOO_SOCKET_IFNAME=eth0,ens5,ib0 (from launch.sh), but no interface "
+                                              "ens5 ib0 here (only lo eth0): unset it, and launch.sh picks each "
+                                              "host's own"),
+    ({"NCCL_SOCKET_IFNAME": "ib,,ens"}, "NCCL_SOCKET_IFNAME=ib,,ens (from launch.sh) matches no interface here "
+                                        "(only lo eth0)"),  # an empty item matches none
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, "NCCL_SOCKET_IFNAME==eth (from launch.sh) matches no interface here "
+                                     "(only lo eth0)"),
 ], ids=["names", "exact", "avoided", "gloo_missing", "nccl_prefix_missing", "nccl_exact_missing"])
 def test_preflight_checks_the_interfaces_named_for_gloo_and_nccl(cluster, tmp_path, start, sent, problem):
     """Names differ from host to host (eth0, ens5): gloo would fail at start-up on one a host
@@ -366,8 +369,8 @@ def test_preflight_checks_a_hosts_own_gloo_interface(cluster, tmp_path, start):
         bashrc.unlink()
     assert launch.proc.returncode == 1
     assert re.findall(r"^  (\S+) +(.*)$", launch.err, re.M) == [
-        ("node2", "GLOO_SOCKET_IFNAME=ens5, but no interface ens5 here (only eth0 lo): unset it, and launch.sh "
-                  "picks each host's own")], launch.err
+        ("node2", "GLOO_SOCKET_IFNAME=ens5 (set on this host), but no interface ens5 here (only lo eth0): unset "
+                  "it, and launch.sh picks each host's own")], launch.err
 
 
 def test_gloo_interface_found_on_a_host_without_ip(cluster, tmp_path, start):
@@ -573,13 +576,14 @@ def test_rejects_bad_input_before_starting_anything(tmp_path, start, hostfile, n
 
 def test_rejects_bad_env_file(tmp_path, start):
     env_file = tmp_path / "env"
-    env_file.write_text("GOOD=1\nexport BAD=1\n")
+    env_file.write_text("GOOD=1\nexport BAD=s3cret\n")
     ssh_command, ssh_called = fake_ssh(tmp_path)
     launch = run_launch(
         start, ["--env-file", env_file, REPO / "hosts.txt", "1"],
         launch_env(SSH_COMMAND=ssh_command), timeout=30, cwd=tmp_path,
     )
-    assert launch.proc.returncode == 2 and "env:2: not KEY=VALUE" in launch.err
+    assert launch.proc.returncode == 2
+    assert launch.err == f"launch.sh: {env_file}:2: not KEY=VALUE (no export, no spaces around =): export BAD\n"
     assert not ssh_called.exists()
 
 
@@ -769,22 +773,25 @@ def test_fail_fast_when_a_worker_dies(cluster, tmp_path, start, train):
     assert_nothing_left(cluster, launch)
 
 
-def test_the_first_host_failed_first_when_the_others_lost_its_store(cluster, tmp_path, start):
+def test_a_host_that_lost_the_store_points_to_the_first_hosts_log(cluster, tmp_path, start):
     """The first host's job fails, and its torchrun, home of the rendezvous store, takes its
     time to end (here: a process holds its output, which launch.sh gives up on after 1 s).
     The other host's torchrun fails at once for want of the store, and ends first."""
-    torchrun = stand_in_torchrun(tmp_path, """case "$*" in
-  *is_host=1*) echo 'ValueError: the cause'; env -u LAUNCH_JOB sleep 3 & exit 1 ;;
-  *) sleep 0.3; echo 'torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection'
-    exit 1 ;;
+    ended = tmp_path / "first-host-ended"
+    torchrun = stand_in_torchrun(tmp_path, f"""case "$*" in
+  *is_host=1*) echo 'ValueError: the cause'; env -u LAUNCH_JOB sleep 3 & touch {ended}; exit 1 ;;
+  *) until [ -e {ended} ]; do sleep 0.05; done
+    echo 'torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection'; exit 1 ;;
 esac""")
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
     launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN],
                         launch_env(cluster), timeout=30)
     assert launch.proc.returncode == 1
     assert re.search(r"^  node1  1 +\d+\n  node2  1 +\d+\n", launch.err, re.M), launch.err  # neither stopped
-    assert launch.err.endswith("launch.sh: node1 failed first (exit 1); the end of its log:\n"
-                               "  node1: ValueError: the cause\n"), launch.err
+    assert launch.err.endswith(
+        "launch.sh: node2 failed first (exit 1): its torchrun lost the rendezvous store, which node1's serves; "
+        "node1 ended by itself (exit 1), and the end of its log may say why:\n  node1: ValueError: the cause\n"
+    ), launch.err
 
 
 def test_a_failed_host_shows_launch_shs_lines_above_the_end(tmp_path, start):
