@@ -398,10 +398,11 @@ def missing_interfaces(label, report):
         problems.append(f"{label}: GLOO_SOCKET_IFNAME={gloo}, but it has no interface {', '.join(missing)} "
                         f"(only {', '.join(names)})")
     # NCCL's syntax: a comma-separated list of name prefixes, "=" first for exact names, and
-    # "^" first for names to avoid (which this leaves alone).
+    # "^" first for names to avoid (which this leaves alone); each may end in ":PORT".
     nccl = report["env"].get("NCCL_SOCKET_IFNAME", "")
     if nccl and not nccl.startswith("^"):
-        wanted = nccl.removeprefix("=").split(",")
+        names_or_prefixes = (item.split(":")[0] for item in nccl.removeprefix("=").split(","))
+        wanted = [w for w in names_or_prefixes if w]  # an empty item matches nothing
         matches = (name == w if nccl.startswith("=") else name.startswith(w) for name in names for w in wanted)
         if not any(matches):
             problems.append(f"{label}: NCCL_SOCKET_IFNAME={nccl} matches none of its interfaces ({', '.join(names)})")

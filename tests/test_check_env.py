@@ -259,6 +259,12 @@ def three_hosts(b=None, c=None):
              "b: NCCL_SOCKET_IFNAME==eth matches none of its interfaces (eth0, lo)"],
         ),
         (three_hosts(b=host_report("b", "10.0.0.2/24", env={"NCCL_SOCKET_IFNAME": "^docker,lo"})), None, []),
+        (
+            three_hosts(b=host_report("b", "10.0.0.2/24", env={"NCCL_SOCKET_IFNAME": "ib,,ens"}),
+                        c=host_report("c", "10.0.0.3/24", env={"NCCL_SOCKET_IFNAME": "=eth0:1"})),
+            None,
+            ["b: NCCL_SOCKET_IFNAME=ib,,ens matches none of its interfaces (eth0, lo)"],  # an empty item matches none
+        ),
         # PyPI's wheel and download.pytorch.org's of one release: the CUDA and NCCL rows compare builds.
         (three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.14.1", torchvision="0.29.1")), None, []),
         # The hang at exit is gloo's: a GPU job runs on nccl.
@@ -278,6 +284,7 @@ def three_hosts(b=None, c=None):
         "old-torch-one-host",
         "interface-names",
         "nccl-exclusions",
+        "nccl-empty-items-and-ports",
         "build-label",
         "old-torch-gpus",
     ],
