@@ -161,12 +161,12 @@ poll_pause() {
   read -r -t "$POLL_SECONDS" -u "$idle_fd" _ || true # nothing ever writes to it
 }
 
-# Starts check_node on host number $1, into $tmp/preflight.$1.
+# Starts check_node on host number $1, into $tmp/preflight.$1 (run_checks sets
+# gloo_sent and nccl_sent).
 start_check() {
   local node_port=-
   if (($1 == 0)); then node_port=${port:-free}; fi
-  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" \
-    "$(sent_value GLOO_SOCKET_IFNAME)" "$(sent_value NCCL_SOCKET_IFNAME)"
+  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" "$gloo_sent" "$nccl_sent"
   "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 </dev/null &
   pending[$!]=$1
 }
@@ -176,8 +176,9 @@ start_check() {
 # have not answered PREFLIGHT_SECONDS after the others started and marks them
 # in timed_out.
 run_checks() {
-  local i pid polls=0 others_started_at=''
+  local i pid polls=0 others_started_at='' gloo_sent nccl_sent
   local -A pending=() # pid -> host number
+  gloo_sent=$(sent_value GLOO_SOCKET_IFNAME) nccl_sent=$(sent_value NCCL_SOCKET_IFNAME) # for start_check
   trap 'stop_checks 130' INT
   trap 'stop_checks 143' TERM
   start_check 0
