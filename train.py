@@ -931,7 +931,8 @@ def train(args, rank, local_rank, world_size, device):
 
 
 def main(argv=None):
-    """Train and return the (unwrapped) model, for scripts that import train.py."""
+    """Train and return the (unwrapped) model, for scripts that import train.py. A rank of
+    a distributed run that fails ends its process."""
     args = parse_args(argv)
     try:
         rank, local_rank, world_size, device = setup_distributed(args)
@@ -947,14 +948,24 @@ def main(argv=None):
                       if last and os.path.exists(last) else "")
             print(f"train.py: interrupted{resume}", file=sys.stderr)
         sys.exit(130)
-    except RuntimeError as e:
-        if not (distributed() and any(text in str(e) for text in LOST_PEER_TEXTS)):
+    except Exception as e:
+        if not distributed():
             raise
-        # Most likely another rank failed first: one line here, so that the tracebacks of
-        # the ranks that lost it do not bury that rank's.
-        print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, or "
-                      f"stayed away past --timeout): {describe(e)}"])
-        sys.exit(1)
+        # Out at once, without the teardown below (or Python's), even where stderr is gone:
+        # under nccl, the teardown can wait for collectives that the other ranks never
+        # finish, and then this rank's error never shows and torchrun never sees it fail.
+        try:
+            if any(text in str(e) for text in LOST_PEER_TEXTS):
+                # Most likely another rank failed first: one line here, so that the
+                # tracebacks of the ranks that lost it do not bury that rank's.
+                print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, "
+                              f"or stayed away past --timeout): {describe(e)}"])
+            else:
+                sys.excepthook(*sys.exc_info())  # torch's: each line starts [rankN]
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
     finally:
         # Fix: the pattern never destroyed its process group.
         if distributed():
