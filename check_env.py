@@ -573,9 +573,10 @@ def host_command(host, argv, python):
     ssh = os.environ.get("SSH_COMMAND", "ssh").split()
     # -T: no terminal, even where ~/.ssh/config forces one: the report streams through
     # stdin, and a node stops when stdin ends, which a terminal never says.
+    # RemoteCommand=none: ssh refuses a command given beside one of the config's (tmux, say).
     # ClearAllForwardings: a port forwarded there may be taken by the user's own session.
     options = ["-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
-               "-o", "ClearAllForwardings=yes"]
+               "-o", "RemoteCommand=none", "-o", "ClearAllForwardings=yes"]
     if host.port:
         options += ["-p", host.port]
     return [*ssh, *options, "--", host.target, "exec " + shlex.join([python, "-c", FORWARD_ENV_CODE, *argv])]

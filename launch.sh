@@ -71,11 +71,13 @@ source "$(dirname -- "$THIS_FILE")/lib/node.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
 # -T: no terminal even where ~/.ssh/config forces one (RequestTTY force),
-# which would end every line of output in \r. ClearAllForwardings: a port
-# forwarded there (for Jupyter, say) is taken already when the user's own
-# session holds it, which fails every connection under ExitOnForwardFailure.
-readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5
-  -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ClearAllForwardings=yes)
+# which would end every line of output in \r. RemoteCommand=none: ssh
+# refuses a command given beside one of the config's (tmux, say).
+# ClearAllForwardings: a port forwarded there (for Jupyter, say) is taken
+# already when the user's own session holds it, which fails every
+# connection under ExitOnForwardFailure.
+readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInterval=5
+  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 # The first host's check runs alone for up to FIRST_ALONE_SECONDS. Its ssh may
 # open a ControlMaster (to a bastion, say) that every later ssh call then

@@ -89,10 +89,12 @@ read_public_key() {
 ssh_for() {
   local i=$1
   shift
-  # ClearAllForwardings: a port forwarded in ~/.ssh/config may be taken by the
-  # user's own session.
+  # RemoteCommand=none: ssh refuses a command given beside one of
+  # ~/.ssh/config's. ClearAllForwardings: a port forwarded there may be taken
+  # by the user's own session.
   cmd=("${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
-    -o ClearAllForwardings=yes ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
+    -o RemoteCommand=none -o ClearAllForwardings=yes ${ports[i]:+-p "${ports[i]}"} "$@"
+    "${destinations[i]}")
 }
 
 # Adds the key on host number $1 with the key itself, or else, where the host

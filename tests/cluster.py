@@ -167,12 +167,15 @@ class Cluster:
         return {**os.environ, "SSH_COMMAND": self.ssh_command, **HIDDEN_GPUS, **extra}
 
     @contextlib.contextmanager
-    def ssh_forwarding_a_port_in_use(self, config, first_lines=""):
+    def ssh_with_an_interactive_config(self, config, first_lines=""):
         """An SSH_COMMAND for this cluster whose config (written to path config, after
-        first_lines) forwards a port that is in use, under ExitOnForwardFailure: as in a
-        ~/.ssh/config that forwards Jupyter's port, while the user's own session holds it."""
+        first_lines) suits interactive logins only: it runs a command of its own (which ssh
+        refuses beside one given), and forwards a port that is in use, under
+        ExitOnForwardFailure: as in a ~/.ssh/config that attaches to tmux and forwards
+        Jupyter's port, while the user's own session holds it."""
         with socket.create_server(("127.0.0.1", 0)) as taken:
-            Path(config).write_text(f"{first_lines}LocalForward 127.0.0.1:{taken.getsockname()[1]} 127.0.0.1:22\n"
+            Path(config).write_text(f"{first_lines}RemoteCommand bash -l\n"
+                                    f"LocalForward 127.0.0.1:{taken.getsockname()[1]} 127.0.0.1:22\n"
                                     f"ExitOnForwardFailure yes\nInclude {self.ssh_config}\n")
             yield f"ssh -F {config}"
 

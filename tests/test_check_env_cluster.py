@@ -36,7 +36,7 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
 
     # localhost is checked here without ssh, and shares the cluster's subnet through its bridge.
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", *cluster.hosts[:2]])
-    with cluster.ssh_forwarding_a_port_in_use(tmp_path / "ssh_config") as ssh:
+    with cluster.ssh_with_an_interactive_config(tmp_path / "ssh_config") as ssh:
         result = run_check_env(["--hosts", str(hostfile), "--json"], timeout=120,
                                env=cluster.env(NCCL_DEBUG="WARN", MASTER_PORT="1234", SSH_COMMAND=ssh))
     assert result.returncode == 0, result.stdout + result.stderr

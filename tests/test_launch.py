@@ -415,9 +415,9 @@ def test_a_login_banner_without_a_newline_passes_preflight(cluster, tmp_path, st
     assert launch.proc.returncode == 0, launch.err
 
 
-def test_ssh_config_that_forces_a_terminal_and_forwards_a_port_in_use(cluster, tmp_path, start):
+def test_ssh_config_that_forces_a_terminal_runs_a_command_and_forwards_a_port_in_use(cluster, tmp_path, start):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"])
-    with cluster.ssh_forwarding_a_port_in_use(tmp_path / "ssh_config", "RequestTTY force\n") as ssh:
+    with cluster.ssh_with_an_interactive_config(tmp_path / "ssh_config", "RequestTTY force\n") as ssh:
         launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(cluster, SSH_COMMAND=ssh),
                             timeout=30)
     assert launch.proc.returncode == 0, launch.err

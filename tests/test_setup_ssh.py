@@ -57,7 +57,7 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     hostfile.write_text("localhost  # skipped: runs without SSH\n" + "".join(f"{h}\n" for h in cluster.hosts))
     assert all(batch_login(cluster, h, cluster.key) != 0 for h in cluster.hosts)
 
-    with cluster.ssh_forwarding_a_port_in_use(tmp_path / "ssh_config") as ssh:  # which must not matter
+    with cluster.ssh_with_an_interactive_config(tmp_path / "ssh_config") as ssh:  # which must not matter
         first = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_COMMAND=f"{ssh} -i {key}")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "localhost" not in first.stdout
