@@ -135,7 +135,8 @@ collect_env() {
     require_readable_file "$env_file"
     while IFS= read -r line || [[ -n $line ]]; do
       n=$((n + 1))
-      line=${line%$'\r'} # written on Windows
+      ((n > 1)) || line=${line#$'\xef\xbb\xbf'} # written on Windows: a byte-order mark,
+      line=${line%$'\r'}                         # and CRLF
       [[ $(trim "$line") =~ ^(#|$) ]] && continue
       [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] \
         || die "$env_file:$n: not KEY=VALUE (no export, no spaces around =): ${line%%=*}" # (no value)

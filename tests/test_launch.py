@@ -588,8 +588,8 @@ def test_rejects_bad_env_file(tmp_path, start):
 
 
 def test_env_file_values_with_quotes_or_dollars_are_warned_of(tmp_path, start):
-    env_file = tmp_path / "env"
-    env_file.write_text("PLAIN=a b\nQUOTED=\"a b\"\nEXPANDED=/opt/bin:$PATH\nSINGLE='s3cret'\n")
+    env_file = tmp_path / "env"  # as a Windows editor saves it: a byte-order mark, CRLF
+    env_file.write_text("\ufeffPLAIN=a b\r\nQUOTED=\"a b\"\r\nEXPANDED=/opt/bin:$PATH\r\nSINGLE='s3cret'\r\n")
     launch = run_launch(start, ["--dry-run", "--env-file", env_file, REPO / "hosts.txt", "1"], launch_env(),
                         timeout=30)
     assert launch.proc.returncode == 0, launch.err
