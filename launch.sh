@@ -19,7 +19,8 @@
 # the interfaces that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name (where
 # sent or set there), that the address SSH reached it at is one the other
 # hosts can use (not another host's, nor 127.0.0.1 where there are others),
-# and on the first host that --port is free. If any check fails, nothing starts.
+# that its clock is within 5 s of the first host's, and on the first host
+# that --port is free. If any check fails, nothing starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -79,6 +80,10 @@ readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVI
 readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInterval=5
   -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
+# torchrun's rendezvous compares each host's heartbeats, stamped by its own
+# clock, with its own clock, and takes a host whose last one looks 15 s old
+# for gone: hosts whose clocks are this far apart fail preflight.
+readonly MAX_CLOCK_SKEW_SECONDS=5
 # The first host's check runs alone for up to FIRST_ALONE_SECONDS. Its ssh may
 # open a ControlMaster (to a bastion, say) that every later ssh call then
 # shares; started all at once, each would open a connection of its own, and
@@ -170,6 +175,7 @@ start_check() {
   local node_port=-
   if (($1 == 0)); then node_port=${port:-free}; fi
   build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" "$gloo_sent" "$nccl_sent"
+  printf -v "check_started[$1]" '%(%s)T' -1
   "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 </dev/null &
   pending[$!]=$1
 }
@@ -187,7 +193,9 @@ run_checks() {
   start_check 0
   while :; do
     for pid in "${!pending[@]}"; do
-      if ! kill -0 "$pid" 2>/dev/null; then unset "pending[$pid]"; fi
+      if kill -0 "$pid" 2>/dev/null; then continue; fi
+      printf -v "check_ended[${pending[$pid]}]" '%(%s)T' -1
+      unset "pending[$pid]"
     done
     if [[ -z $others_started_at ]] \
       && ((${#pending[@]} == 0 || polls == FIRST_ALONE_SECONDS * POLLS_PER_SECOND)); then
@@ -247,10 +255,29 @@ holds_address() {
   fi
 }
 
+# Prints how far host number $1's clock is from the first host's, if they
+# are MAX_CLOCK_SKEW_SECONDS apart or more for certain.
+clock_problem() {
+  local i=$1 earliest latest middle way='ahead of'
+  # Each host read its clock between its check's start and end here, all in
+  # whole seconds: its offset from this clock lies in (TIME - end - 2,
+  # TIME - start + 1]. Hence the range of host $1's offset from the first's:
+  earliest=$((remote_times[i] - check_ended[i] - 2 - (remote_times[0] - check_started[0] + 1)))
+  latest=$((remote_times[i] - check_started[i] + 1 - (remote_times[0] - check_ended[0] - 2)))
+  if ((earliest >= MAX_CLOCK_SKEW_SECONDS || latest <= -MAX_CLOCK_SKEW_SECONDS)); then
+    middle=$(((earliest + latest) / 2))
+    if ((middle < 0)); then middle=$((-middle)) way=behind; fi
+    echo "its clock is about $middle s $way ${labels[0]}'s, and torchrun's rendezvous, which" \
+      "compares the hosts' clocks, drops a host at 15 s off or less: sync them (NTP: chrony," \
+      "systemd-timesyncd)"
+  fi
+}
+
 # Checks every host; fills addresses and port, or prints a table of the hosts
 # that failed and exits 1.
 preflight() {
-  local i report fields client='' timed_out=() reports=()
+  local i report fields client='' timed_out=() reports=() check_started=() check_ended=()
+  local remote_times=()
   local -A seen=() # address -> host number
   run_checks
   for i in "${!labels[@]}"; do
@@ -264,6 +291,7 @@ preflight() {
     else
       read -ra fields <<<"$report"
       addresses[i]=${fields[3]}
+      remote_times[i]=${fields[6]}
       if [[ ${fields[5]} != - ]]; then port=${fields[5]}; fi
       if [[ -z ${local_node[i]} ]]; then
         client=${client:-${fields[1]}} # this machine, as the hosts see it
@@ -273,6 +301,12 @@ preflight() {
       fi
     fi
   done
+  if [[ -n ${remote_times[0]:-} ]]; then
+    for i in "${!remote_times[@]}"; do
+      report=$(clock_problem "$i")
+      if [[ -n $report && -z ${reports[i]:-} ]]; then reports[i]=$report; fi
+    done
+  fi
   if [[ -n $client ]] && ! holds_address "$client"; then
     for i in "${!labels[@]}"; do
       if [[ -n ${local_node[i]} && -z ${reports[i]:-} ]]; then
@@ -362,10 +396,13 @@ run_host() {
   if ((i == 0)); then rendezvous=-; fi
   build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" \
     "$rendezvous" "$torchrun" "${node_args[@]}"
-  # A local node runs in a session of its own, as a remote one does: torchrun
-  # catches a terminal's Ctrl-C even where it is ignored, and passes it to its
-  # workers, each of which would print a KeyboardInterrupt traceback.
-  if [[ -n ${local_node[i]} ]]; then cmd=(setsid "${cmd[@]}"); fi
+  # In a session of its own, out of reach of a signal to the whole group (a
+  # terminal's Ctrl-C), which this script answers by stopping the host. Some
+  # programs catch it even where it is ignored: an ssh client that shares a
+  # ControlMaster's connection would end, and leave the host's job running; a
+  # local node's torchrun would pass it on to its workers, each of which
+  # would print a KeyboardInterrupt traceback. (macOS has no setsid.)
+  if command -v setsid >/dev/null; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
   # must not fail a job that ran (tee says so, and goes on).
   set +o pipefail

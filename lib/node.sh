@@ -22,7 +22,8 @@ torchrun_python() {
 # script. On the first host, PORT is the rendezvous port to check, or "free"
 # to pick one; elsewhere "-". GLOO and NCCL are the GLOO_SOCKET_IFNAME and
 # NCCL_SOCKET_IFNAME the job gets, or "-" where it gets this host's own.
-# Prints "ok SSH_CONNECTION PORT" ("-" where unknown).
+# Prints "ok SSH_CONNECTION PORT TIME" ("-" where unknown), TIME as this
+# host's clock has it, in seconds since the epoch.
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 python
   local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from
@@ -89,7 +90,7 @@ check_node() {
     "$python" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$port" 2>/dev/null \
       || { echo "fail: port $port (--port) is in use here"; return 1; }
   fi
-  echo "ok ${SSH_CONNECTION:-- - - -} $port"
+  printf 'ok %s %s %(%s)T\n' "${SSH_CONNECTION:-- - - -}" "$port" -1
 }
 
 # Runs on each host: reads NUL-separated KEY=VALUE entries from stdin up to

@@ -51,7 +51,11 @@ class Launch:
 
     def __init__(self, args, env, cwd, out_dir):
         self.out_path, self.err_path = out_dir / "launch.out", out_dir / "launch.err"
-        env = {**env, "TMPDIR": str(out_dir)}  # what a killed launch.sh cannot remove stays there
+        # TMPDIR: what a killed launch.sh cannot remove stays there. The mark: every
+        # process it starts here carries it, also those it starts in sessions of their own.
+        mark = os.urandom(8).hex()
+        self.mark = f"TEST_LAUNCH={mark}".encode()
+        env = {**env, "TMPDIR": str(out_dir), "TEST_LAUNCH": mark}
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 ["env", "--default-signal=INT", LAUNCH, *map(str, args)],
@@ -87,9 +91,25 @@ class Launch:
     def job_id(self):
         return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
 
+    def processes(self):
+        """Pids of launch.sh and what it started here, in its session or with its mark."""
+        pids = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            fields = stat_fields(entry.name)
+            with contextlib.suppress(OSError):
+                if (fields and int(fields[3]) == self.pid  # (a zombie too)
+                        or self.mark in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")):
+                    pids.append(int(entry.name))
+        return pids
+
     def kill(self):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
 
@@ -127,23 +147,14 @@ def stat_fields(pid):
     return None
 
 
-def session_processes(sid):
-    """Pids of the processes in session sid (launch.sh and its ssh clients)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := stat_fields(entry.name)) and int(fields[3]) == sid:
-            pids.append(int(entry.name))
-    return pids
-
-
 def assert_nothing_left(cluster, launch, timeout=10):
     """No process of the job on any host, nor any ssh client here."""
     left = cluster.wait_until_idle(timeout)
     assert not left, f"left running: {left}"
     deadline = time.monotonic() + timeout
-    while session_processes(launch.pid) and time.monotonic() < deadline:
+    while launch.processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not session_processes(launch.pid)
+    assert not launch.processes()
 
 
 def job_processes(launch):
@@ -174,7 +185,8 @@ def ssh_here(tmp_path):
     SSH_CONNECTION each made-up host would have: two containers share one address, a
     tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, "hung" never ends
     once its part of a job has (as where a hung mount holds the clean-up; its preflight,
-    whose stdin is not a pipe, ends), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
+    whose stdin is not a pipe, ends), the clocks of "behind" and "ahead" are 40 s off
+    (libfaketime), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
     see this machine at 127.0.0.1: a rendezvous here, which each host tries as it starts,
     is reached without a packet leaving it."""
     script = tmp_path / "ssh-here"
@@ -190,6 +202,8 @@ def ssh_here(tmp_path):
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
         'if [[ $host == hung && -p /dev/stdin ]]; then sh -c "${*: -1}"; exec sleep 600; fi\n'
+        'if [[ $host == behind ]]; then exec faketime -f -40s sh -c "${*: -1}"; fi\n'
+        'if [[ $host == ahead ]]; then exec faketime -f +40s sh -c "${*: -1}"; fi\n'
         'exec sh -c "${*: -1}"\n'
     )
     script.chmod(0o755)
@@ -1015,6 +1029,39 @@ def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start, 
     assert not job_processes(launch)
 
 
+@pytest.mark.parametrize("route", ["direct", "bastion"])
+def test_ctrl_c_to_the_whole_group_stops_hosts_reached_through_a_control_master(cluster, tmp_path, start, route):
+    """An ssh client that shares a ControlMaster's connection catches a Ctrl-C even where it
+    is ignored, and would end at once, with the host's job left running (behind a bastion,
+    until it heard nothing from launch.sh for 30 s). Out of reach of the terminal's Ctrl-C,
+    the clients stay, and launch.sh stops the hosts."""
+    masters = ["node1", "node2"] if route == "direct" else ["node3"]
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {cluster.ssh_config}\n"
+                      + ("Host node1 node2\n  ProxyJump node3\n" if route == "bastion" else "")
+                      + f"Host {' '.join(masters)}\n  BatchMode yes\n  ControlMaster auto\n"
+                      f"  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
+    ssh = f"ssh -F {config}"
+    torchrun = stand_in_torchrun(tmp_path, "echo started; sleep 600")
+    try:
+        launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
+                        cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"]), "1", *TRAIN],
+                       launch_env(cluster, SSH_COMMAND=ssh))
+        launch.wait_for_output(r"^node1: started\n(.*\n)*node2: started$|^node2: started\n(.*\n)*node1: started$")
+        os.killpg(launch.pid, signal.SIGINT)
+        assert launch.wait(15) == 130, launch.err
+        for host in ["node1", "node2"]:
+            assert re.search(rf"^  {host} +143 .*stopped by launch.sh", launch.err, re.M), launch.err
+        deadline = time.monotonic() + 10  # (a host stops in 6 s at most)
+        while left := [argv for host in cluster.hosts for _, argv in cluster.processes(host)
+                       if not argv[0].startswith("sshd: ")]:  # the masters' sessions stay
+            assert time.monotonic() < deadline, f"left running: {left}"
+            time.sleep(0.2)
+    finally:
+        for master in masters:
+            run([*ssh.split(), "-O", "exit", master], timeout=10)
+
+
 def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start, train):
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:2])
     env_file = tmp_path / "env"
@@ -1159,6 +1206,20 @@ def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_addres
     ], launch.err
 
 
+@pytest.mark.parametrize("host, way", [("behind", "behind"), ("ahead", "ahead of")])
+def test_preflight_rejects_a_host_whose_clock_is_off(tmp_path, start, host, way):
+    """torchrun's rendezvous compares the hosts' clocks, and drops a host 15 s off."""
+    if not shutil.which("faketime"):
+        skip_or_fail("faketime not installed (apt-get install faketime)")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"fine\n{host}\n")
+    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
+                        timeout=30)
+    assert launch.proc.returncode == 1
+    assert re.fullmatch(rf"launch.sh: preflight failed, nothing was started:\n  {host} +its clock is about "
+                        rf"(39|40|41) s {way} fine's, and torchrun's rendezvous, .*\n", launch.err), launch.err
+
+
 def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
     """The first host, whose check runs alone at first, never answers: the others are
     checked after 5 s all the same."""
@@ -1172,7 +1233,7 @@ def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
     assert launch.proc.returncode == 1, launch.out + launch.err
     assert 30 <= time.monotonic() - began < 40
     assert launch.err.splitlines()[1:] == ["  stuck  no answer within 30 s"], launch.err
-    assert not session_processes(launch.pid)  # the stuck ssh is gone too
+    assert not launch.processes()  # the stuck ssh is gone too
     assert not (tmp_path / "logs").exists()
 
 
@@ -1212,7 +1273,7 @@ def test_a_host_that_ends_at_once_is_never_a_failure(tmp_path, start):
                                     hostfile, "1", *TRAIN], launch_env(), timeout=30)
         assert launch.proc.returncode == 0, f"attempt {attempt}: {launch.err}"
         # Not even a zombie for init to reap (which some containers' init never does).
-        assert not session_processes(launch.pid), f"attempt {attempt}"
+        assert not launch.processes(), f"attempt {attempt}"
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -1265,6 +1326,6 @@ def test_a_host_that_never_ends_its_stop_is_left_with_a_word(tmp_path, start, se
         f"launch.sh: left hung still stopping, {leaving}; part of the job may run on there: "
         f"'grep -lzF LAUNCH_JOB={launch.job_id()}/ /proc/*/environ' lists its processes\n"), launch.err
     deadline = time.monotonic() + 5
-    while session_processes(launch.pid) and time.monotonic() < deadline:
+    while launch.processes() and time.monotonic() < deadline:
         time.sleep(0.1)  # a host's run_host ends once its programs are killed
-    assert not session_processes(launch.pid)  # its "ssh", tee and prefix_lines are gone
+    assert not launch.processes()  # its "ssh", tee and prefix_lines are gone
