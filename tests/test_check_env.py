@@ -455,7 +455,7 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     argv = check_env.host_command(host, [python, "-", "--json"], python)
     assert argv == [
         "ssh", "-F", "./cluster_ssh_config", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
-        "-o", "ClearAllForwardings=yes", "-p", "2222", "--", "me@node2",
+        "-o", "RemoteCommand=none", "-o", "ClearAllForwardings=yes", "-p", "2222", "--", "me@node2",
         f"exec '{python}' -c '{check_env.FORWARD_ENV_CODE}' '{python}' - --json",
     ]  # fmt: skip
     # The variables go on stdin, and FORWARD_ENV sets them for the command.
