@@ -105,6 +105,7 @@ def gather_report():
         # "client-address client-port server-address server-port" when run over SSH: the
         # server address is where this host was reached, and where the job will reach it.
         "ssh_connection": os.environ.get("SSH_CONNECTION"),
+        "clock": time.time(),  # this host's, in seconds since the epoch
         "why_missing": why_missing,
     }
 
@@ -336,6 +337,9 @@ MUST_MATCH = [
 ]
 
 
+# torchrun's rendezvous compares each host's heartbeats, stamped by its own clock, with its
+# own clock, and takes a host whose last one looks 15 s old for gone (as launch.sh checks).
+MAX_CLOCK_SKEW_S = 5
 # torchrun before 2.5 sends the workers to rank 0's host name (socket.getfqdn()); later
 # ones to its --local-addr (launch.sh) or the rendezvous host (--allreduce). On hosts
 # that cannot resolve each other's names, the old way hangs.
@@ -381,6 +385,7 @@ def find_problems(labels, reports, nproc=None):
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
+                problems += clock_skew(label, report, ref_label, ref)
     return problems
 
 
@@ -427,6 +432,20 @@ def differences(label, report, ref_label, ref):
         if comparable(mine) != comparable(theirs):
             found.append(f"{label}: {name} {mine} differs from {ref_label} ({theirs})")
     return found
+
+
+def clock_skew(label, report, ref_label, ref):
+    """A host whose clock is MAX_CLOCK_SKEW_S from the reference's or more, for certain."""
+    if "clock_offset" not in report or "clock_offset" not in ref:  # not fetched from a host
+        return []
+    earliest = report["clock_offset"][0] - ref["clock_offset"][1]
+    latest = report["clock_offset"][1] - ref["clock_offset"][0]
+    if -MAX_CLOCK_SKEW_S < latest and earliest < MAX_CLOCK_SKEW_S:
+        return []
+    middle = (earliest + latest) / 2
+    return [f"{label}: its clock is about {abs(middle):.0f} s {'ahead of' if middle > 0 else 'behind'} "
+            f"{ref_label}'s, and torchrun's rendezvous, which compares the hosts' clocks, drops a host at "
+            "15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"]
 
 
 def holds_address(address):
@@ -651,13 +670,18 @@ def failure(host, python, status, stderr):
 
 
 def fetch_report(host, python):
-    """host's report, gathered by streaming this file to python there."""
+    """host's report, gathered by streaming this file to python there, with the range of its
+    clock's offset from this machine's."""
+    asked = time.time()
     status, stdout, stderr = run_on_host(host, [python, "-", "--json"], python, stdin=Path(__file__).read_bytes())
+    answered = time.time()
     # The last JSON line: a login script may have printed something before it.
     json_lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if status != 0 or not json_lines:
         return {"error": failure(host, python, status, stderr)}
-    return json.loads(json_lines[-1])
+    report = json.loads(json_lines[-1])
+    report["clock_offset"] = [report["clock"] - answered, report["clock"] - asked]  # read in between
+    return report
 
 
 def fetch_reports(hosts, python):

@@ -31,7 +31,7 @@ def run_check_env(args, timeout, env=None):
 REPORT_FIELDS = {
     "hostname", "os", "python", "python_executable", "torch", "torchvision",
     "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available",
-    "gpus", "driver", "interfaces", "env", "ssh_connection", "why_missing",
+    "gpus", "driver", "interfaces", "env", "ssh_connection", "clock", "why_missing",
 }  # fmt: skip
 
 
@@ -40,8 +40,10 @@ def test_local_report_has_every_field(monkeypatch):
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("MASTER_PORT", "1234")
+    before = time.time()
     report = check_env.gather_report()
     assert set(report) == REPORT_FIELDS
+    assert before <= report["clock"] <= time.time()
     assert report["python_executable"] == sys.executable
     assert report["torch"] == torch.__version__
     assert report["gloo_available"] is True
@@ -152,6 +154,8 @@ BASE = {
     "driver": None,
     "interfaces": [{"name": "lo", "address": "127.0.0.1/8"}, {"name": "eth0", "address": "10.0.0.1/24"}],
     "env": {},
+    "clock": 1796400000.0,
+    "clock_offset": [-0.2, 0.1],  # from this machine's, as fetch_report finds it
     "why_missing": {"driver": "no NVIDIA driver loaded"},
 }
 
@@ -269,6 +273,20 @@ def three_hosts(b=None, c=None):
         (three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.14.1", torchvision="0.29.1")), None, []),
         # The hang at exit is gloo's: a GPU job runs on nccl.
         ([host_report("a", "10.0.0.1/24", torch="2.7.1", gpus=gpus(1))], None, []),
+        # Each offset from this machine's clock is known within the time its report took.
+        (
+            three_hosts(b=host_report("b", "10.0.0.2/24", clock_offset=[-41.0, -39.0]),
+                        c=host_report("c", "10.0.0.3/24", clock_offset=[3.0, 8.0])),  # maybe 3.2 s: fine
+            None,
+            ["b: its clock is about 40 s behind a's, and torchrun's rendezvous, which compares the hosts' "
+             "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
+        ),
+        (
+            three_hosts(c=host_report("c", "10.0.0.3/24", clock_offset=[5.1, 6.1])),
+            None,
+            ["c: its clock is about 6 s ahead of a's, and torchrun's rendezvous, which compares the hosts' "
+             "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
+        ),
     ],
     ids=[
         "match",
@@ -287,6 +305,8 @@ def three_hosts(b=None, c=None):
         "nccl-empty-items-and-ports",
         "build-label",
         "old-torch-gpus",
+        "clock-behind",
+        "clock-ahead",
     ],
 )
 def test_find_problems(reports, nproc, expected):

@@ -31,7 +31,8 @@ def problem_lines(stdout):
 
 
 def test_hosts_gathers_real_reports(cluster, tmp_path):
-    """(Through an ssh config that forwards a port in use, which must not matter.)"""
+    """(Through an ssh config that runs a command and forwards a port in use, which must not
+    matter.)"""
     import torch
 
     # localhost is checked here without ssh, and shares the cluster's subnet through its bridge.
@@ -45,6 +46,7 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
     assert reports.pop("localhost")["hostname"] == socket.gethostname()
     for name, report in reports.items():
         assert report["hostname"] == name  # really gathered there, not here
+        assert report["clock_offset"][0] <= 0 <= report["clock_offset"][1]  # this machine's clock
         assert report["torch"] == torch.__version__
         assert {"name": "eth0", "address": f"{cluster.address(name)}/24"} in report["interfaces"]
         # Forwarded as launch.sh does (cluster.env() hides the GPUs, run() sets one thread);
