@@ -206,12 +206,18 @@ LONG_TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic", "--epochs",
               "--log-every", "1"]
 
 
+def tests_cluster():
+    """The module tests/cluster.py, reused rather than copied."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import cluster  # noqa: E402
+    return cluster
+
+
 def simulated_cluster(n_hosts):
     """tests/cluster.py's simulated_cluster(n_hosts), a context manager: network namespaces
     with a real sshd each, removed on exit. Needs root, iproute2, util-linux, openssh-server,
     openssl, and pytest (which cluster.py imports); exits with the reason when one is missing."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import cluster  # noqa: E402  (tests/cluster.py, reused rather than copied)
+    cluster = tests_cluster()
     missing = cluster.missing_prerequisites()
     if missing:
         sys.exit("simulated cluster unavailable: " + "; ".join(missing))
@@ -244,12 +250,6 @@ def proc_stat(pid):
     return int(fields[19]) / tick, (int(fields[11]) + int(fields[12])) / tick, int(fields[3])
 
 
-def session_processes(sid):
-    """Pids of the processes in session sid here: launch.sh and what it started (ssh clients)."""
-    return [int(e.name) for e in os.scandir("/proc")
-            if e.name.isdigit() and (proc_stat(e.name) or (0, 0, None))[2] == sid]
-
-
 def is_worker(argv):
     """A training process (train.py, not the torchrun that runs it)."""
     return "train.py" in argv and not any(a.endswith("torchrun") for a in argv)
@@ -271,8 +271,11 @@ class Launched:
     def __init__(self, cluster, hosts, nproc, script_args, tmp, options=()):
         self.cluster = cluster
         hostfile = cluster.write_hostfile(Path(tmp) / "hosts.txt", hosts)
+        # Every process launch.sh starts here carries the mark, also in a session of its own.
+        mark = os.urandom(8).hex()
+        self.mark = f"BENCH_LAUNCH={mark}".encode()
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               "OMP_NUM_THREADS": "1", "SSH_COMMAND": cluster.ssh_command}
+               "OMP_NUM_THREADS": "1", "SSH_COMMAND": cluster.ssh_command, "BENCH_LAUNCH": mark}
         self.lines, self.done = [], False
         self._changed = threading.Condition()
         self.started = clock()
@@ -293,6 +296,10 @@ class Launched:
         with self._changed:
             self.done = True
             self._changed.notify_all()
+
+    def processes(self):
+        """Pids of launch.sh and what it started here: its ssh clients, say."""
+        return tests_cluster().launched_processes(self.pid, self.mark)
 
     def output(self, last=40):
         return "\n".join(line for _, line in self.lines[-last:])
@@ -319,7 +326,7 @@ class Launched:
             os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        for pid in session_processes(self.pid):  # one that left the process group
+        for pid in self.processes():  # one that left the process group
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self._reader.join(timeout=5)

@@ -57,8 +57,7 @@ import time
 from pathlib import Path
 
 from common import (LONG_TRAIN, REPO, Launched, clock, is_torchrun, is_worker, limit_run_time,
-                    print_machine, print_table, proc_stat, session_processes, simulated_cluster,
-                    verdict)
+                    print_machine, print_table, proc_stat, simulated_cluster, verdict)
 
 TARGET = 1.3
 HOSTS, QUICK_HOSTS = (1, 2, 4, 8), (1, 2)
@@ -81,7 +80,7 @@ def client_starts(launch):
     """Start times of launch.sh's job ssh clients: one per host, since the preflight's have
     exited before the job's start."""
     starts = []
-    for pid in session_processes(launch.pid):
+    for pid in launch.processes():
         argv, stat = argv_of(pid), proc_stat(pid)
         if stat and argv and argv[0].endswith("ssh"):
             starts.append(stat[0])

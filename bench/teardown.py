@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from common import (LONG_TRAIN, Launched, clock, is_torchrun, is_worker, limit_run_time,
-                    print_machine, print_table, session_processes, simulated_cluster, verdict)
+                    print_machine, print_table, simulated_cluster, verdict)
 
 TARGETS = {"SIGINT": 3.0, "kill -9": 10.0}
 HOSTS, QUICK_HOSTS = 4, 2
@@ -51,7 +51,7 @@ def watch(cluster, hosts, launch, event):
                   "launch.sh exited": lambda: launch.proc.poll() is not None,
                   "hosts clean": lambda: not running,
                   "ssh clients gone": lambda: launch.proc.poll() is not None
-                  and not session_processes(launch.pid)}
+                  and not launch.processes()}
         for name, check in checks.items():
             if done[name] is None and check():
                 done[name] = now - event

@@ -85,6 +85,21 @@ def cluster_fixture(n_hosts=3, scope="module", **options):
     return _cluster
 
 
+def launched_processes(sid, mark):
+    """Pids of the processes here in session sid, or whose environment holds mark
+    (b"NAME=VALUE"): what a launch.sh started in its session sid and with mark in its
+    environment, also what it started in sessions of their own (its ssh clients)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            session = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[3])
+            if session == sid or mark in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+    return pids
+
+
 def _sh(*args, **kwargs):
     return subprocess.run(
         [str(a) for a in args], check=True, capture_output=True, text=True, **kwargs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import cluster_fixture, require_prerequisites, simulated_cluster
+from cluster import cluster_fixture, launched_processes, require_prerequisites, simulated_cluster
 from conftest import HIDDEN_GPUS, REPO, TINY, load, run, skip_or_fail
 
 LAUNCH = REPO / "launch.sh"
@@ -92,17 +92,8 @@ class Launch:
         return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
 
     def processes(self):
-        """Pids of launch.sh and what it started here, in its session or with its mark."""
-        pids = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            fields = stat_fields(entry.name)
-            with contextlib.suppress(OSError):
-                if (fields and int(fields[3]) == self.pid  # (a zombie too)
-                        or self.mark in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")):
-                    pids.append(int(entry.name))
-        return pids
+        """Pids of launch.sh and what it started here (a zombie too)."""
+        return launched_processes(self.pid, self.mark)
 
     def kill(self):
         with contextlib.suppress(ProcessLookupError):
