@@ -958,7 +958,7 @@ def main(argv=None):
             if any(text in str(e) for text in LOST_PEER_TEXTS):
                 # Most likely another rank failed first: one line here, so that the
                 # tracebacks of the ranks that lost it do not bury that rank's, and a
-                # pause, so that its node ends first, and launch.sh names it.
+                # pause, so that that rank's node ends first, and launch.sh names it.
                 print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, "
                               f"or stayed away past --timeout): {describe(e)}"])
                 time.sleep(3)
