@@ -955,7 +955,7 @@ def main(argv=None):
         # under nccl, the teardown can wait for collectives that the other ranks never
         # finish, and then this rank's error never shows and torchrun never sees it fail.
         try:
-            if any(text in str(e) for text in LOST_PEER_TEXTS):
+            if isinstance(e, RuntimeError) and any(text in str(e) for text in LOST_PEER_TEXTS):
                 # Most likely another rank failed first: one line here, so that the
                 # tracebacks of the ranks that lost it do not bury that rank's, and a
                 # pause, so that that rank's node ends first, and launch.sh names it.

@@ -324,18 +324,22 @@ else:
     assert f'File "{TRAIN}"' not in result.stderr  # no traceback through train.py
 
 
-def test_a_rank_that_fails_alone_shows_its_traceback_and_ends_at_once(tmp_path):
+@pytest.mark.parametrize("error, shown", [
+    ('ValueError("the cause")', "ValueError: the cause"),
+    ('BrokenPipeError(32, "Broken pipe")', "BrokenPipeError: [Errno 32] Broken pipe"),  # its own I/O's
+])
+def test_a_rank_that_fails_alone_shows_its_traceback_and_ends_at_once(tmp_path, error, shown):
     # Rank 1 raises in its third forward pass, while rank 0 waits for it in that step's
     # all-reduce. Rank 1's destroy_process_group never returns, as nccl's may when peers
     # are inside a collective: the rank must not call it on the way out.
-    patch = """import time
+    patch = f"""import time
 import torch.distributed as dist
 if os.environ["RANK"] == "1":
     forward, calls = train.SmallCNN.forward, []
     def failing_forward(self, x):
         calls.append(x)
         if len(calls) == 3:
-            raise ValueError("the cause")
+            raise {error}
         return forward(self, x)
     train.SmallCNN.forward = failing_forward
     dist.destroy_process_group = lambda: time.sleep(60)
@@ -344,7 +348,7 @@ if os.environ["RANK"] == "1":
     result = torchrun(2, "--arch", "cnn", "--dataset", "synthetic", "--timeout", "30",
                       script=patched_train(tmp_path, patch), timeout=60)
     assert result.returncode != 0
-    assert "[rank1]: ValueError: the cause" in result.stderr, result.stderr
+    assert f"[rank1]: {shown}" in result.stderr, result.stderr
     assert time.monotonic() - started < 25  # neither rank waited out --timeout
 
 
