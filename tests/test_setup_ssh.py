@@ -55,6 +55,8 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     key = tmp_path / "keys" / "id_ed25519"
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost  # skipped: runs without SSH\n" + "".join(f"{h}\n" for h in cluster.hosts))
+    for host in cluster.hosts:  # as the module's cluster began, whichever test ran on it before
+        (cluster.host(host).dir / "home/.ssh/authorized_keys").unlink(missing_ok=True)
     assert all(batch_login(cluster, h, cluster.key) != 0 for h in cluster.hosts)
 
     with cluster.ssh_with_an_interactive_config(tmp_path / "ssh_config") as ssh:  # which must not matter
