@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+STARTED = time.time()  # this host's clock as the report began: see fetch_report
 CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
 REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
 
@@ -105,7 +106,7 @@ def gather_report():
         # "client-address client-port server-address server-port" when run over SSH: the
         # server address is where this host was reached, and where the job will reach it.
         "ssh_connection": os.environ.get("SSH_CONNECTION"),
-        "clock": time.time(),  # this host's, in seconds since the epoch
+        "clock": [STARTED, time.time()],  # this host's, as the report began and ended
         "why_missing": why_missing,
     }
 
@@ -338,8 +339,9 @@ MUST_MATCH = [
 
 
 # torchrun's rendezvous compares each host's heartbeats, stamped by its own clock, with its
-# own clock, and takes a host whose last one looks 15 s old for gone (as launch.sh checks).
-MAX_CLOCK_SKEW_S = 5
+# own clock, and takes a host whose last one looks 15 s old for gone (they come every 5 s):
+# hosts whose clocks are this far apart for certain are a problem, as in launch.sh.
+CLOCK_SKEW_S = 4
 # torchrun before 2.5 sends the workers to rank 0's host name (socket.getfqdn()); later
 # ones to its --local-addr (launch.sh) or the rendezvous host (--allreduce). On hosts
 # that cannot resolve each other's names, the old way hangs.
@@ -385,8 +387,7 @@ def find_problems(labels, reports, nproc=None):
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
-                problems += clock_skew(label, report, ref_label, ref)
-    return problems
+    return problems + clock_problems(usable)
 
 
 def missing_interfaces(label, report):
@@ -434,18 +435,29 @@ def differences(label, report, ref_label, ref):
     return found
 
 
-def clock_skew(label, report, ref_label, ref):
-    """A host whose clock is MAX_CLOCK_SKEW_S from the reference's or more, for certain."""
-    if "clock_offset" not in report or "clock_offset" not in ref:  # not fetched from a host
-        return []
-    earliest = report["clock_offset"][0] - ref["clock_offset"][1]
-    latest = report["clock_offset"][1] - ref["clock_offset"][0]
-    if -MAX_CLOCK_SKEW_S < latest and earliest < MAX_CLOCK_SKEW_S:
-        return []
-    middle = (earliest + latest) / 2
-    return [f"{label}: its clock is about {abs(middle):.0f} s {'ahead of' if middle > 0 else 'behind'} "
-            f"{ref_label}'s, and torchrun's rendezvous, which compares the hosts' clocks, drops a host at "
-            "15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"]
+def clock_problems(usable):
+    """Each host whose clock is CLOCK_SKEW_S from the reference's or more for certain, or,
+    where none is, the one most ahead, if it is that far from the one most behind. Each
+    (label, report) of usable holds the range of its clock's offset from this machine's."""
+    offsets = {label: report["clock_offset"] for label, report in usable}
+    labels = list(offsets)
+
+    def apart(a, b):
+        return max(offsets[a][0] - offsets[b][1], offsets[b][0] - offsets[a][1]) >= CLOCK_SKEW_S
+
+    def problem(a, b):
+        difference = (sum(offsets[a]) - sum(offsets[b])) / 2
+        return (f"{a}: its clock is about {abs(difference):.0f} s {'ahead of' if difference > 0 else 'behind'} "
+                f"{b}'s, and torchrun's rendezvous, which compares the hosts' clocks, drops a host at 15 s off "
+                "or less: sync them (NTP: chrony, systemd-timesyncd)")
+
+    found = [problem(label, labels[0]) for label in labels[1:] if apart(label, labels[0])]
+    if labels and not found:
+        ahead = max(labels, key=lambda label: offsets[label][0])
+        behind = min(labels, key=lambda label: offsets[label][1])
+        if apart(ahead, behind):
+            found = [problem(ahead, behind)]
+    return found
 
 
 def holds_address(address):
@@ -680,7 +692,8 @@ def fetch_report(host, python):
     if status != 0 or not json_lines:
         return {"error": failure(host, python, status, stderr)}
     report = json.loads(json_lines[-1])
-    report["clock_offset"] = [report["clock"] - answered, report["clock"] - asked]  # read in between
+    # Its clock began the report after `asked` here, and ended it before `answered`.
+    report["clock_offset"] = [report["clock"][1] - answered, report["clock"][0] - asked]
     return report
 
 

@@ -19,8 +19,9 @@
 # the interfaces that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name (where
 # sent or set there), that the address SSH reached it at is one the other
 # hosts can use (not another host's, nor 127.0.0.1 where there are others),
-# that its clock is within 5 s of the first host's, and on the first host
-# that --port is free. If any check fails, nothing starts.
+# that the hosts' clocks agree (within 4 s for certain, which catches 10 s),
+# and on the first host that --port is free. If any check fails, nothing
+# starts.
 # Then each host but the first, as it starts, tries the rendezvous port, and
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
@@ -82,8 +83,10 @@ readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInte
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 # torchrun's rendezvous compares each host's heartbeats, stamped by its own
 # clock, with its own clock, and takes a host whose last one looks 15 s old
-# for gone: hosts whose clocks are this far apart fail preflight.
-readonly MAX_CLOCK_SKEW_SECONDS=5
+# for gone (they come every 5 s): hosts whose clocks are this far apart for
+# certain fail preflight. Its clocks count whole seconds, so where checks
+# take under a second, any 10 s apart are.
+readonly CLOCK_SKEW_SECONDS=4
 # The first host's check runs alone for up to FIRST_ALONE_SECONDS. Its ssh may
 # open a ControlMaster (to a bastion, say) that every later ssh call then
 # shares; started all at once, each would open a connection of its own, and
@@ -127,6 +130,14 @@ build_command() {
     cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
   fi
+  # In a session of its own, out of reach of a signal to the whole group (a
+  # terminal's Ctrl-C), which this script answers by stopping the host. Some
+  # programs catch it even where it is ignored: an ssh client that shares a
+  # ControlMaster's connection would end, and leave the host's job running; a
+  # local node's torchrun would pass it on to its workers, each of which
+  # would print a KeyboardInterrupt traceback. Without a terminal, as the job
+  # has it, from preflight on. (macOS has no setsid.)
+  if command -v setsid >/dev/null; then cmd=(setsid "${cmd[@]}"); fi
 }
 
 # Fills env_entries with what every host gets in its environment.
@@ -255,21 +266,39 @@ holds_address() {
   fi
 }
 
-# Prints how far host number $1's clock is from the first host's, if they
-# are MAX_CLOCK_SKEW_SECONDS apart or more for certain.
+# Whether the clocks of hosts number $1 and $2 are CLOCK_SKEW_SECONDS apart
+# or more for certain. Each host's clock minus this machine's lies between
+# clock_low and clock_high (exclusive).
+clocks_apart() {
+  ((clock_low[$1] - clock_high[$2] >= CLOCK_SKEW_SECONDS
+    || clock_low[$2] - clock_high[$1] >= CLOCK_SKEW_SECONDS))
+}
+
+# Prints how far host number $1's clock is from host number $2's.
 clock_problem() {
-  local i=$1 earliest latest middle way='ahead of'
-  # Each host read its clock between its check's start and end here, all in
-  # whole seconds: its offset from this clock lies in (TIME - end - 2,
-  # TIME - start + 1]. Hence the range of host $1's offset from the first's:
-  earliest=$((remote_times[i] - check_ended[i] - 2 - (remote_times[0] - check_started[0] + 1)))
-  latest=$((remote_times[i] - check_started[i] + 1 - (remote_times[0] - check_ended[0] - 2)))
-  if ((earliest >= MAX_CLOCK_SKEW_SECONDS || latest <= -MAX_CLOCK_SKEW_SECONDS)); then
-    middle=$(((earliest + latest) / 2))
-    if ((middle < 0)); then middle=$((-middle)) way=behind; fi
-    echo "its clock is about $middle s $way ${labels[0]}'s, and torchrun's rendezvous, which" \
-      "compares the hosts' clocks, drops a host at 15 s off or less: sync them (NTP: chrony," \
-      "systemd-timesyncd)"
+  local difference way='ahead of'
+  difference=$(((clock_low[$1] + clock_high[$1] - clock_low[$2] - clock_high[$2]) / 2))
+  if ((difference < 0)); then difference=$((-difference)) way=behind; fi
+  echo "its clock is about $difference s $way ${labels[$2]}'s, and torchrun's rendezvous, which" \
+    "compares the hosts' clocks, drops a host at 15 s off or less: sync them (NTP: chrony," \
+    "systemd-timesyncd)"
+}
+
+# Adds to reports each host whose clock is apart from the first host's or,
+# where none is, the one most ahead, if it is apart from the one most behind.
+add_clock_problems() {
+  local i ahead=0 behind=0 found=''
+  [[ -n ${clock_low[0]:-} ]] || return 0
+  for i in "${!clock_low[@]}"; do
+    if ((i > 0)) && clocks_apart "$i" 0; then
+      reports[i]=${reports[i]:-$(clock_problem "$i" 0)}
+      found=yes
+    fi
+    if ((clock_low[i] > clock_low[ahead])); then ahead=$i; fi
+    if ((clock_high[i] < clock_high[behind])); then behind=$i; fi
+  done
+  if [[ -z $found ]] && clocks_apart "$ahead" "$behind"; then
+    reports[ahead]=${reports[ahead]:-$(clock_problem "$ahead" "$behind")}
   fi
 }
 
@@ -277,7 +306,7 @@ clock_problem() {
 # that failed and exits 1.
 preflight() {
   local i report fields client='' timed_out=() reports=() check_started=() check_ended=()
-  local remote_times=()
+  local clock_low=() clock_high=()
   local -A seen=() # address -> host number
   run_checks
   for i in "${!labels[@]}"; do
@@ -291,7 +320,11 @@ preflight() {
     else
       read -ra fields <<<"$report"
       addresses[i]=${fields[3]}
-      remote_times[i]=${fields[6]}
+      # Its clock, read between the check's start and end here, all in whole
+      # seconds (a number: it goes through arithmetic, which runs $(...) in it).
+      if [[ ${fields[6]} =~ ^[0-9]+$ ]]; then
+        clock_low[i]=$((fields[6] - check_ended[i] - 1)) clock_high[i]=$((fields[6] - check_started[i] + 1))
+      fi
       if [[ ${fields[5]} != - ]]; then port=${fields[5]}; fi
       if [[ -z ${local_node[i]} ]]; then
         client=${client:-${fields[1]}} # this machine, as the hosts see it
@@ -301,12 +334,7 @@ preflight() {
       fi
     fi
   done
-  if [[ -n ${remote_times[0]:-} ]]; then
-    for i in "${!remote_times[@]}"; do
-      report=$(clock_problem "$i")
-      if [[ -n $report && -z ${reports[i]:-} ]]; then reports[i]=$report; fi
-    done
-  fi
+  add_clock_problems
   if [[ -n $client ]] && ! holds_address "$client"; then
     for i in "${!labels[@]}"; do
       if [[ -n ${local_node[i]} && -z ${reports[i]:-} ]]; then
@@ -396,13 +424,6 @@ run_host() {
   if ((i == 0)); then rendezvous=-; fi
   build_command "$i" run_node "$job_id/$i" "$workdir" "${addresses[i]}" "$SILENCE_SECONDS" \
     "$rendezvous" "$torchrun" "${node_args[@]}"
-  # In a session of its own, out of reach of a signal to the whole group (a
-  # terminal's Ctrl-C), which this script answers by stopping the host. Some
-  # programs catch it even where it is ignored: an ssh client that shares a
-  # ControlMaster's connection would end, and leave the host's job running; a
-  # local node's torchrun would pass it on to its workers, each of which
-  # would print a KeyboardInterrupt traceback. (macOS has no setsid.)
-  if command -v setsid >/dev/null; then cmd=(setsid "${cmd[@]}"); fi
   # The host's status is its command's, not tee's: a full disk under the logs
   # must not fail a job that ran (tee says so, and goes on).
   set +o pipefail

@@ -208,7 +208,8 @@ LONG_TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic", "--epochs",
 
 def tests_cluster():
     """The module tests/cluster.py, reused rather than copied."""
-    sys.path.insert(0, str(REPO / "tests"))
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
     import cluster  # noqa: E402
     return cluster
 

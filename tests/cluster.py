@@ -88,7 +88,8 @@ def cluster_fixture(n_hosts=3, scope="module", **options):
 def launched_processes(sid, mark):
     """Pids of the processes here in session sid, or whose environment holds mark
     (b"NAME=VALUE"): what a launch.sh started in its session sid and with mark in its
-    environment, also what it started in sessions of their own (its ssh clients)."""
+    environment, also what it started in sessions of their own (its ssh clients), but a
+    zombie only in session sid (its environment is gone)."""
     pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

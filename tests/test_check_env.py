@@ -40,10 +40,9 @@ def test_local_report_has_every_field(monkeypatch):
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("MASTER_PORT", "1234")
-    before = time.time()
     report = check_env.gather_report()
     assert set(report) == REPORT_FIELDS
-    assert before <= report["clock"] <= time.time()
+    assert check_env.STARTED <= report["clock"][0] <= report["clock"][1] <= time.time()
     assert report["python_executable"] == sys.executable
     assert report["torch"] == torch.__version__
     assert report["gloo_available"] is True
@@ -96,7 +95,8 @@ def test_gpus_cuda_cannot_use_are_a_reason_not_a_crash(monkeypatch):
     assert report["gpus"] == [] and report["cudnn"] is None
     assert "driver on your system is too old" in report["why_missing"]["gpus"]
     assert "driver on your system is too old" in report["why_missing"]["cudnn"]
-    assert check_env.find_problems(["a", "b"], [host_report("a", "10.0.0.1/24"), {**report}])[0].startswith(
+    fetched = {**report, "clock_offset": [-0.1, 0.1]}  # as fetch_report adds it
+    assert check_env.find_problems(["a", "b"], [host_report("a", "10.0.0.1/24"), fetched])[0].startswith(
         "b: CUDA cannot use the GPUs: RuntimeError: The NVIDIA driver on your system is too old"
     )
 
@@ -154,7 +154,7 @@ BASE = {
     "driver": None,
     "interfaces": [{"name": "lo", "address": "127.0.0.1/8"}, {"name": "eth0", "address": "10.0.0.1/24"}],
     "env": {},
-    "clock": 1796400000.0,
+    "clock": [1796400000.0, 1796400001.5],
     "clock_offset": [-0.2, 0.1],  # from this machine's, as fetch_report finds it
     "why_missing": {"driver": "no NVIDIA driver loaded"},
 }
@@ -282,9 +282,17 @@ def three_hosts(b=None, c=None):
              "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
         ),
         (
-            three_hosts(c=host_report("c", "10.0.0.3/24", clock_offset=[5.1, 6.1])),
+            three_hosts(c=host_report("c", "10.0.0.3/24", clock_offset=[4.2, 5.2])),
             None,
-            ["c: its clock is about 6 s ahead of a's, and torchrun's rendezvous, which compares the hosts' "
+            ["c: its clock is about 5 s ahead of a's, and torchrun's rendezvous, which compares the hosts' "
+             "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
+        ),
+        # Neither is 4 s from a's for certain, but they are from each other.
+        (
+            three_hosts(b=host_report("b", "10.0.0.2/24", clock_offset=[2.5, 3.5]),
+                        c=host_report("c", "10.0.0.3/24", clock_offset=[-3.5, -2.5])),
+            None,
+            ["b: its clock is about 6 s ahead of c's, and torchrun's rendezvous, which compares the hosts' "
              "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
         ),
     ],
@@ -307,6 +315,7 @@ def three_hosts(b=None, c=None):
         "old-torch-gpus",
         "clock-behind",
         "clock-ahead",
+        "clocks-apart",
     ],
 )
 def test_find_problems(reports, nproc, expected):

@@ -92,7 +92,7 @@ class Launch:
         return re.search(r"^launch.sh: job (\S+),", self.err, re.M).group(1)
 
     def processes(self):
-        """Pids of launch.sh and what it started here (a zombie too)."""
+        """Pids of launch.sh and what it started here (a zombie in its session only)."""
         return launched_processes(self.pid, self.mark)
 
     def kill(self):
@@ -171,13 +171,16 @@ def workers(cluster, host):
     ]
 
 
+FAKETIME_LIBRARY = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
+
+
 def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
     tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, "hung" never ends
     once its part of a job has (as where a hung mount holds the clean-up; its preflight,
-    whose stdin is not a pipe, ends), the clocks of "behind" and "ahead" are 40 s off
-    (libfaketime), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
+    whose stdin is not a pipe, ends), the clocks of "ahead4" and "behind40" (say) are off by
+    that many seconds (libfaketime), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
     see this machine at 127.0.0.1: a rendezvous here, which each host tries as it starts,
     is reached without a packet leaving it."""
     script = tmp_path / "ssh-here"
@@ -193,8 +196,10 @@ def ssh_here(tmp_path):
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
         'if [[ $host == hung && -p /dev/stdin ]]; then sh -c "${*: -1}"; exec sleep 600; fi\n'
-        'if [[ $host == behind ]]; then exec faketime -f -40s sh -c "${*: -1}"; fi\n'
-        'if [[ $host == ahead ]]; then exec faketime -f +40s sh -c "${*: -1}"; fi\n'
+        'if [[ $host =~ ^(ahead|behind)([0-9]+)$ ]]; then\n'
+        '  sign=+; if [[ ${BASH_REMATCH[1]} == behind ]]; then sign=-; fi\n'
+        f'  export LD_PRELOAD={FAKETIME_LIBRARY} FAKETIME=$sign${{BASH_REMATCH[2]}}s\n'
+        'fi\n'
         'exec sh -c "${*: -1}"\n'
     )
     script.chmod(0o755)
@@ -912,15 +917,18 @@ def test_a_directory_given_for_a_file_is_named_as_one(tmp_path, start):
         assert launch.err == f"launch.sh: {tmp_path}: is a directory\n"
 
 
+def require_faketime():
+    if FAKETIME_LIBRARY is None:
+        skip_or_fail("libfaketime not installed (apt-get install faketime)")
+
+
 def faked_wall_clock(offset_file):
     """Environment under which a program's wall clock runs ahead by the seconds written in
     offset_file, which starts at 0 (libfaketime; bash sees a change up to 10 s late); its
     monotonic clock stays true, as NTP leaves it."""
-    library = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
-    if library is None:
-        skip_or_fail("libfaketime not installed (apt-get install faketime)")
+    require_faketime()
     offset_file.write_text("+0\n")
-    return {"LD_PRELOAD": str(library), "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+    return {"LD_PRELOAD": str(FAKETIME_LIBRARY), "FAKETIME_TIMESTAMP_FILE": str(offset_file),
             "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}
 
 
@@ -1197,18 +1205,22 @@ def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_addres
     ], launch.err
 
 
-@pytest.mark.parametrize("host, way", [("behind", "behind"), ("ahead", "ahead of")])
-def test_preflight_rejects_a_host_whose_clock_is_off(tmp_path, start, host, way):
+@pytest.mark.parametrize("hosts, problem", [
+    (["fine", "behind40"], r"  behind40 +its clock is about (3[5-9]|4[0-5]) s behind fine's"),
+    (["fine", "ahead40"], r"  ahead40 +its clock is about (3[5-9]|4[0-5]) s ahead of fine's"),
+    # 4 s from the first host's is never 4 s for certain, in whole seconds; 8 s apart is:
+    (["fine", "ahead4", "behind4"], r"  ahead4 +its clock is about ([6-9]|10) s ahead of behind4's"),
+], ids=["behind", "ahead", "apart"])
+def test_preflight_rejects_hosts_whose_clocks_disagree(tmp_path, start, hosts, problem):
     """torchrun's rendezvous compares the hosts' clocks, and drops a host 15 s off."""
-    if not shutil.which("faketime"):
-        skip_or_fail("faketime not installed (apt-get install faketime)")
+    require_faketime()
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text(f"fine\n{host}\n")
+    hostfile.write_text("".join(f"{host}\n" for host in hosts))
     launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
                         timeout=30)
     assert launch.proc.returncode == 1
-    assert re.fullmatch(rf"launch.sh: preflight failed, nothing was started:\n  {host} +its clock is about "
-                        rf"(39|40|41) s {way} fine's, and torchrun's rendezvous, .*\n", launch.err), launch.err
+    assert re.fullmatch(rf"launch.sh: preflight failed, nothing was started:\n{problem}, and torchrun's "
+                        r"rendezvous, .*\n", launch.err), launch.err
 
 
 def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
