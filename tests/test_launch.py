@@ -434,27 +434,37 @@ def test_ssh_config_that_forces_a_terminal_runs_a_command_and_forwards_a_port_in
     assert re.search(rf"'--rdzv-endpoint={cluster.address('node1')}:\d+' ", launch.out), launch.out
 
 
+@contextlib.contextmanager
+def ssh_through_control_masters(cluster, config, masters, behind=()):
+    """An SSH_COMMAND for this cluster whose connections to the hosts masters each share a
+    ControlMaster, exited afterwards; the hosts behind are reached through masters[0]
+    (ProxyJump), as through a bastion. config: the path to write its config to."""
+    config.write_text(f"Include {cluster.ssh_config}\n"
+                      + (f"Host {' '.join(behind)}\n  ProxyJump {masters[0]}\n" if behind else "")
+                      + f"Host {' '.join(masters)}\n  BatchMode yes\n  ControlMaster auto\n"
+                      f"  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
+    ssh = f"ssh -F {config}"
+    try:
+        yield ssh
+    finally:
+        for master in masters:
+            run([*ssh.split(), "-O", "exit", master], timeout=10)
+
+
 def test_one_connection_to_a_bastion_serves_the_whole_launch(cluster, tmp_path, start):
     """Through a bastion with a ControlMaster (as the README advises), the first host's check
     opens the master before the others start: all at once, each would open a connection of
     its own, and more than sshd's MaxStartups (10) drop some ("kex_exchange_identification")."""
     bastion_log = cluster.host("node1").dir / "sshd.log"
-    config = tmp_path / "ssh_config"
-    config.write_text(f"Include {cluster.ssh_config}\nHost node2 node3\n  ProxyJump node1\n"
-                      f"Host node1\n  BatchMode yes\n  ControlMaster auto\n  ControlPath {cluster.dir}/cm-%C\n"
-                      "  ControlPersist 60\n")
-    ssh = f"ssh -F {config}"
     torchrun = stand_in_torchrun(tmp_path, "echo started")
     accepted_before = bastion_log.read_text().count("Accepted publickey")
-    try:
+    with ssh_through_control_masters(cluster, tmp_path / "ssh_config", ["node1"], behind=["node2", "node3"]) as ssh:
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
                                     cluster.write_hostfile(tmp_path / "hosts.txt", ["node2", "node3"]), "1", *TRAIN],
                             launch_env(cluster, SSH_COMMAND=ssh), timeout=60)
         assert launch.proc.returncode == 0, launch.err
         assert sorted(re.findall(r"^(node\d): started$", launch.out, re.M)) == ["node2", "node3"], launch.out
         assert bastion_log.read_text().count("Accepted publickey") - accepted_before == 1
-    finally:
-        run([*ssh.split(), "-O", "exit", "node1"], timeout=10)  # the master
 
 
 def test_dry_run_local_host_first_with_fixed_port(cluster, tmp_path, start):
@@ -1034,15 +1044,9 @@ def test_ctrl_c_to_the_whole_group_stops_hosts_reached_through_a_control_master(
     is ignored, and would end at once, with the host's job left running (behind a bastion,
     until it heard nothing from launch.sh for 30 s). Out of reach of the terminal's Ctrl-C,
     the clients stay, and launch.sh stops the hosts."""
-    masters = ["node1", "node2"] if route == "direct" else ["node3"]
-    config = tmp_path / "ssh_config"
-    config.write_text(f"Include {cluster.ssh_config}\n"
-                      + ("Host node1 node2\n  ProxyJump node3\n" if route == "bastion" else "")
-                      + f"Host {' '.join(masters)}\n  BatchMode yes\n  ControlMaster auto\n"
-                      f"  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
-    ssh = f"ssh -F {config}"
+    masters, behind = (["node1", "node2"], []) if route == "direct" else (["node3"], ["node1", "node2"])
     torchrun = stand_in_torchrun(tmp_path, "echo started; sleep 600")
-    try:
+    with ssh_through_control_masters(cluster, tmp_path / "ssh_config", masters, behind) as ssh:
         launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
                         cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"]), "1", *TRAIN],
                        launch_env(cluster, SSH_COMMAND=ssh))
@@ -1056,9 +1060,6 @@ def test_ctrl_c_to_the_whole_group_stops_hosts_reached_through_a_control_master(
                        if not argv[0].startswith("sshd: ")]:  # the masters' sessions stay
             assert time.monotonic() < deadline, f"left running: {left}"
             time.sleep(0.2)
-    finally:
-        for master in masters:
-            run([*ssh.split(), "-O", "exit", master], timeout=10)
 
 
 def test_dead_man_switch_when_launcher_is_killed(cluster, tmp_path, start, train):
