@@ -11,7 +11,9 @@ pattern with its bugs fixed; each fix is marked "Fix:" where it happens.
 The whole data set lives on the device as one uint8 tensor and is batched by
 indexing, so there is no DataLoader and no worker process. A run whose
 --checkpoint-dir holds last.pt resumes from it, and the resumed run ends bitwise
-equal to one that was never stopped (CPU, gloo, the same world size and OMP_NUM_THREADS).
+equal to one that was never stopped (CPU, gloo, the same world size, batch size and
+OMP_NUM_THREADS). It may also resume on another number of processes that keeps the global
+batch: the same batches in the same order, but no longer bitwise.
 """
 import argparse
 import contextlib
@@ -42,9 +44,11 @@ EVAL_BATCH_SIZE = 1024
 DOWNLOAD_STALL_SECONDS = 60  # a download that receives nothing for this long fails
 # Arguments a resumed run may change: how long it runs, where it reads and writes, what it
 # prints, and how processes meet. All others (any you add, too) fix the training trajectory:
-# a checkpoint resumes only a run that agrees on them.
+# a checkpoint resumes only a run that agrees on them. The batch size and accumulation may
+# change too, as long as the global batch does not (see why_not_resumable).
 RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend", "timeout",
-                          "checkpoint_dir", "save_every", "log_every", "metrics"]
+                          "checkpoint_dir", "save_every", "log_every", "metrics",
+                          "batch_size", "accum_steps"]
 # Arguments that may differ from node to node (a path on each node's own disks); all the
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
@@ -687,7 +691,11 @@ def load_checkpoint(path, args, data_id, rank, world_size):
 
 
 def why_not_resumable(checkpoint, args, data_id, world_size):
-    """Why this run cannot go on exactly from `checkpoint`, or None."""
+    """Why this run cannot go on from `checkpoint`, or None. It may split the global batch
+    into another world size, batch size and accumulation: each rank's shard is every
+    world_size-th sample of one shuffled order (DistributedSampler's, padded to a multiple of
+    world_size), so whatever the split, step k takes the same k-th slice of that order
+    (padding aside), and an epoch has as many steps."""
     keys = checkpoint.keys() if isinstance(checkpoint, dict) else set()
     missing = sorted(CHECKPOINT_KEYS - keys)
     if missing:
@@ -697,18 +705,36 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
     theirs = {k: checkpoint["args"].get(k, "(absent)") for k in mine}  # (absent): added since
     mismatched = [f"--{k.replace('_', '-')} {theirs[k]} (now {mine[k]})"
                   for k in mine if k not in RESUME_MAY_CHANGE_ARGS and theirs[k] != mine[k]]
-    if checkpoint["world_size"] != world_size:
-        mismatched.append(f"world size {checkpoint['world_size']} (now {world_size})")
     their_data = checkpoint.get("data", "(absent)")  # (absent): written before train.py kept it
     if their_data != data_id:
         mismatched.append(f"data {their_data} (now {data_id})")
     if mismatched:
         return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
                 "same settings: use them, or another --checkpoint-dir")
+    their_split = batch_split(checkpoint["world_size"], checkpoint["args"])
+    my_split = batch_split(world_size, mine)
+    global_batch = math.prod(their_split)
+    if math.prod(my_split) != global_batch:
+        hint = (f"--batch-size {global_batch // world_size} at world size {world_size}, say"
+                if global_batch % world_size == 0 else
+                f"a world size that divides {global_batch}")
+        return (f"was written by a run with a global batch of {global_batch} "
+                f"({describe_split(their_split)}), and this one has {math.prod(my_split)} "
+                f"({describe_split(my_split)}): resume needs the same global batch ({hint}), "
+                "or use another --checkpoint-dir")
     return None
 
 
-def resume_from(checkpoint, path, model, optimizer, scaler, device, rank):
+def batch_split(world_size, args):
+    """How a run splits its global batch: (processes, --batch-size, --accum-steps)."""
+    return world_size, args["batch_size"], args["accum_steps"]
+
+
+def describe_split(split):
+    return "world size {} x --batch-size {} x --accum-steps {}".format(*split)
+
+
+def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, world_size):
     """Load the checkpoint's state into this rank; return the step to go on from."""
     error = None
     try:
@@ -719,9 +745,16 @@ def resume_from(checkpoint, path, model, optimizer, scaler, device, rank):
         error = (f"checkpoint {path} does not fit this model and optimizer ({describe(e)}); "
                  "move it away to start over, or use another --checkpoint-dir")
     stop_together(error)
-    set_rng_state(checkpoint["rng"][rank], device)
+    their_split = batch_split(checkpoint["world_size"], checkpoint["args"])
+    my_split = batch_split(world_size, vars(args))
+    if their_split[0] == world_size:
+        set_rng_state(checkpoint["rng"][rank], device)
+    # Else no rank of the checkpoint's is this one: the random states stay as --seed set them.
     if rank == 0:
-        log(f"resumed from {path} at step {checkpoint['step']}")
+        how = "" if my_split == their_split else (
+            f", as {describe_split(my_split)} instead of {describe_split(their_split)}: the "
+            "same global batches in the same order, not bitwise the same run")
+        log(f"resumed from {path} at step {checkpoint['step']}{how}")
     return checkpoint["step"]
 
 
@@ -849,7 +882,8 @@ def train(args, rank, local_rank, world_size, device):
     step = 0
     checkpoint = load_checkpoint(ckpt_path, args, data_id, rank, world_size) if ckpt_path else None
     if checkpoint is not None:
-        step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, device, rank)
+        step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, args, device, rank,
+                           world_size)
 
     ddp_model = wrap_ddp(model, device)
     if args.compile:
