@@ -44,7 +44,7 @@
 # CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
 # --env-file lines, through SSH's standard input: no value shows in `ps`.
 # GLOO_SOCKET_IFNAME, unless set there or sent, is the interface of the
-# host's address.
+# host's address (none where that is lo: gloo then goes by the host's name).
 #
 # Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.

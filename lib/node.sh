@@ -101,7 +101,7 @@ check_node() {
 # reach this one; RENDEZVOUS is the first host's ADDRESS:PORT, or "-" on it.
 run_node() {
   local job_mark=LAUNCH_JOB=$1 relay_mark=LAUNCH_RELAY=$1 workdir=$2 address=$3 silence=$4 rendezvous=$5
-  local entries=() entry interface torchrun_pid
+  local entries=() entry interface gloo_given name_address torchrun_pid
   local python reader silent status signal parent message=''
   shift 5
   while :; do
@@ -138,11 +138,27 @@ print(*names[:1])'
   else
     interface=$("$python" -I -S -c "$interface_of_address" "$address" 2>/dev/null)
   fi
-  if [[ -n ${GLOO_SOCKET_IFNAME+set} ]]; then interface=''; fi # set here
+  # gloo binds the first address of the interface it is given: on lo, 127.0.0.1,
+  # where another host reaches only itself. Routed fabrics put each host's
+  # address on lo, as a /32; there gloo must go by the address of this host's
+  # name instead, which their DNS gives.
+  if [[ $interface == lo && $address != 127.* && $address != ::1 ]]; then interface=''; fi
+  gloo_given=${GLOO_SOCKET_IFNAME+yes} # set here
   for entry in "${entries[@]}"; do
-    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then interface=''; fi # sent
+    if [[ $entry == GLOO_SOCKET_IFNAME=* ]]; then gloo_given=yes; fi # sent
   done
-  if [[ -n $interface ]]; then entries+=("GLOO_SOCKET_IFNAME=$interface"); fi
+  if [[ -z $gloo_given && -n $interface ]]; then
+    entries+=("GLOO_SOCKET_IFNAME=$interface")
+  elif [[ -z $gloo_given ]]; then
+    name_address=$("$python" -I -S -c 'import socket
+print(socket.getaddrinfo(socket.gethostname(), None)[0][4][0])' 2>/dev/null) || name_address=nothing
+    if [[ $name_address != "$address" ]]; then
+      echo "launch.sh: warning: gloo cannot bind $address here, so a gloo job (CPU training)" \
+        "will not connect: no interface holds it first (GLOO_SOCKET_IFNAME binds an interface's" \
+        "first address), and this host's name, $HOSTNAME, resolves to $name_address; map" \
+        "$HOSTNAME to $address in /etc/hosts here"
+    fi
+  fi
   # On hosts but the first, the job starts as this program, which runs the
   # command once the first host accepts or refuses a connection to the
   # rendezvous port. Where a firewall drops the packets, torchrun would give

@@ -1,8 +1,8 @@
 """A simulated cluster of real SSH hosts for end-to-end tests.
 
 Each host is a network namespace joined to a private bridge by a veth pair,
-with its own address in a /24 (or a /32 each, routed=True; and one in a
-private IPv6 /64 too, ipv6=True) that exists only inside this machine, its
+with its own address in a /24 (or a /32 each, routed="eth0" or "lo"; and one in
+a private IPv6 /64 too, ipv6=True) that exists only inside this machine, its
 own hostname (UTS namespace), its own /etc/hosts (naming only itself, at
 127.0.1.1 as Debian does: hosts cannot resolve each other, so they must meet
 by address), /etc/passwd and /etc/shadow (bind-mounted by `ip netns exec`
@@ -253,7 +253,7 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None, routed=False, ipv6=False):
+                      login_shells=None, routed=None, ipv6=False):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -265,8 +265,10 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
     login_shells: {host name: root's login shell there}, e.g. /usr/bin/tcsh
         (default: this machine's, for every host). sshd runs every remote
         command through it.
-    routed: each host holds a /32 with a route to the others through eth0, as on
-        routed (L3) clusters: no two hosts share a subnet.
+    routed: each host holds its address as a /32 on this interface, with a route
+        to the others through eth0: "eth0", as on routed (L3) clusters, where no
+        two hosts share a subnet; "lo", as on routed fabrics that reach each
+        host's loopback address (eth0 then has no IPv4 address).
     ipv6: each host also holds an address in a private IPv6 /64, where its sshd
         listens too, and ssh_config reaches it there.
     """
@@ -292,7 +294,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
-            _start_host(host, bridge, base, password, authorize, shell, subnet if routed else None)
+            _start_host(host, bridge, base, password, authorize, shell, routed, subnet)
         (base / "known_hosts").write_text(
             "".join(
                 f"{','.join(filter(None, (h.name, h.address, h.ipv6)))} "
@@ -330,7 +332,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _teardown(hosts.values(), bridge, base)
 
 
-def _start_host(host, bridge, base, password, authorize, login_shell, routed_subnet):
+def _start_host(host, bridge, base, password, authorize, login_shell, routed, subnet):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -359,12 +361,13 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed_sub
     veth = f"{host.netns}v"
     _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
     _sh("ip", "link", "set", veth, "master", bridge, "up")
-    prefix = 32 if routed_subnet else 24
-    _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", "eth0")
     _sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
-    _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
-    if routed_subnet:
-        _sh("ip", "-n", host.netns, "route", "add", str(routed_subnet), "dev", "eth0")
+    _sh("ip", "-n", host.netns, "link", "set", "lo", "up")  # lo's 127.0.0.1 comes first
+    if routed:
+        _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/32", "dev", routed)
+        _sh("ip", "-n", host.netns, "route", "add", str(subnet), "dev", "eth0")
+    else:
+        _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
     if host.ipv6:
         _sh("ip", "-n", host.netns, "addr", "add", f"{host.ipv6}/64", "dev", "eth0", "nodad")
 

@@ -112,7 +112,7 @@ def test_unreachable_host_is_a_problem(cluster, tmp_path):
     assert line.startswith(f"{cluster.unreachable_address}: unreachable: ssh: connect to host")
 
 
-@pytest.mark.parametrize("network", [{"routed": True}, {"ipv6": True}], ids=["routed", "ipv6"])
+@pytest.mark.parametrize("network", [{"routed": "eth0"}, {"ipv6": True}], ids=["routed", "ipv6"])
 def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(tmp_path, network):
     """On a routed network (a /32 per host), and with hosts reached over IPv6: harder than
     the shared subnet of the other tests, whose all-reduce fails or is stopped. The first

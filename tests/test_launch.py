@@ -392,6 +392,33 @@ def test_gloo_interface_found_on_a_host_without_ip(cluster, tmp_path, start):
     assert gloo_interface_on_node1(cluster, tmp_path, start, bashrc=f"PATH={tools}\n") == "eth0"
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["name_at_its_address", "name_at_127.0.1.1"])
+def test_hosts_with_their_address_on_lo_as_on_routed_fabrics(tmp_path, start, train, named):
+    """Routed fabrics put each host's address on lo, as a /32. GLOO_SOCKET_IFNAME=lo would
+    bind lo's first address, 127.0.0.1, where each host reaches only itself: gloo must go
+    by the address of the host's name, which the fabric's DNS gives, and without it cannot
+    work."""
+    require_prerequisites()
+    with simulated_cluster(2, routed="lo") as fabric:
+        if named:
+            for name in fabric.hosts:
+                hosts_file = Path("/etc/netns") / fabric.host(name).netns / "hosts"
+                hosts_file.write_text(f"127.0.0.1 localhost\n{fabric.address(name)} {name}\n")
+        hostfile = fabric.write_hostfile(tmp_path / "hosts.txt")
+        launch = run_launch(start, [hostfile, "1", *train, "--max-steps", "2"], launch_env(fabric))
+        warnings = re.findall(r"^(node[12]): launch.sh: warning: gloo cannot bind (\S+) here, .* this "
+                              r"host's name, \1, resolves to (\S+); map \1 to \2 in /etc/hosts here$",
+                              launch.out, re.M)
+        if named:
+            assert launch.proc.returncode == 0, launch.out + launch.err
+            assert "start: world_size=2 backend=gloo" in launch.out and not warnings, launch.out
+        else:
+            assert launch.proc.returncode == 1
+            assert sorted(warnings) == [(name, fabric.address(name), "127.0.1.1")
+                                        for name in fabric.hosts], launch.out
+        assert_nothing_left(fabric, launch)
+
+
 def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, start):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("# rendezvous host first\n\n  root@node1:22  # with user and port\nnode2\n")
