@@ -30,7 +30,7 @@ require_readable_file() {
 # destinations ([user@]host), ports (may be empty) and local_node ("yes" or
 # empty); dies on a malformed line, a duplicate or an empty file.
 read_hostfile() {
-  local file=$1 line n=0 user host name port key is_local own_names=() addresses=()
+  local file=$1 line n=0 user host name port key is_local hint own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
   own_names=(localhost "$(uname -n)" "$(hostname -f 2>/dev/null || true)")
@@ -43,7 +43,11 @@ read_hostfile() {
     line=$(trim "${line%%#*}")
     [[ -n $line ]] || continue
     if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      die "$file:$n: not a [user@]host[:port]: $(LC_ALL=C printf %q "$line")" # shows what is invisible
+      hint=''
+      if [[ $line == *[[:space:]]slots=* ]]; then
+        hint=" (DeepSpeed's and MPI's slots=N has no place here: launch.sh's NPROC_PER_NODE applies to every host)"
+      fi
+      die "$file:$n: not a [user@]host[:port]: $(LC_ALL=C printf %q "$line")$hint" # %q shows what is invisible
     fi
     user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
     [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"

@@ -595,6 +595,8 @@ def test_own_name_and_loopback_run_locally(tmp_path, start, name):
         ("`touch {marker}`\n", "2", "not a [user@]host[:port]"),
         ("-oProxyCommand=touch {marker}\n", "2", "not a [user@]host[:port]"),
         ("localhost other\n", "2", "not a [user@]host[:port]"),
+        ("node1 slots=4\n", "2", "not a [user@]host[:port]: node1\\ slots=4 (DeepSpeed's and MPI's slots=N has "
+                                  "no place here: launch.sh's NPROC_PER_NODE applies to every host)"),
         ("localhost\n-n\n", "2", "not a [user@]host[:port]: -n"),  # not an option of echo
         ("node1:0\n", "2", "bad port"),
         ("node1:70000\n", "2", "bad port"),
