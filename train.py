@@ -694,8 +694,9 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
     """Why this run cannot go on from `checkpoint`, or None. It may split the global batch
     into another world size, batch size and accumulation: each rank's shard is every
     world_size-th sample of one shuffled order (DistributedSampler's, padded to a multiple of
-    world_size), so whatever the split, step k takes the same k-th slice of that order
-    (padding aside), and an epoch has as many steps."""
+    world_size), so whatever the split, step k takes the same k-th slice of that order, and
+    an epoch has as many steps. Only an epoch's last step may differ, where the world sizes
+    pad the order differently."""
     keys = checkpoint.keys() if isinstance(checkpoint, dict) else set()
     missing = sorted(CHECKPOINT_KEYS - keys)
     if missing:
@@ -715,9 +716,10 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
     my_split = batch_split(world_size, mine)
     global_batch = math.prod(their_split)
     if math.prod(my_split) != global_batch:
-        hint = (f"--batch-size {global_batch // world_size} at world size {world_size}, say"
-                if global_batch % world_size == 0 else
-                f"a world size that divides {global_batch}")
+        per_rank, left = divmod(global_batch, world_size)
+        accum_steps = args.accum_steps if per_rank % args.accum_steps == 0 else 1
+        hint = (f"a world size that divides {global_batch}" if left else
+                describe_split((world_size, per_rank // accum_steps, accum_steps)) + ", say")
         return (f"was written by a run with a global batch of {global_batch} "
                 f"({describe_split(their_split)}), and this one has {math.prod(my_split)} "
                 f"({describe_split(my_split)}): resume needs the same global batch ({hint}), "
@@ -753,7 +755,8 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
     if rank == 0:
         how = "" if my_split == their_split else (
             f", as {describe_split(my_split)} instead of {describe_split(their_split)}: the "
-            "same global batches in the same order, not bitwise the same run")
+            "same global batches in the same order (but for the padding of each epoch's last), "
+            "not bitwise the same run")
         log(f"resumed from {path} at step {checkpoint['step']}{how}")
     return checkpoint["step"]
 
