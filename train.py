@@ -13,7 +13,7 @@ indexing, so there is no DataLoader and no worker process. A run whose
 --checkpoint-dir holds last.pt resumes from it, and the resumed run ends bitwise
 equal to one that was never stopped (CPU, gloo, the same world size, batch size and
 OMP_NUM_THREADS). It may also resume on another number of processes that keeps the global
-batch: the same batches in the same order, but no longer bitwise.
+batch: the same batches in the same order (each epoch's last aside), but not bitwise.
 """
 import argparse
 import contextlib
