@@ -751,7 +751,9 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
     my_split = batch_split(world_size, vars(args))
     if their_split[0] == world_size:
         set_rng_state(checkpoint["rng"][rank], device)
-    # Else no rank of the checkpoint's is this one: the random states stay as --seed set them.
+    else:  # no rank of the checkpoint's is this one: a stream per rank and step, so that
+        # dropout and the like do not repeat the masks of the run's first steps
+        torch.manual_seed(args.seed + rank + (checkpoint["step"] << 32))
     if rank == 0:
         how = "" if my_split == their_split else (
             f", as {describe_split(my_split)} instead of {describe_split(their_split)}: the "

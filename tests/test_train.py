@@ -146,6 +146,9 @@ def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path
     assert whole["step"] == again["step"] == 16 and again["world_size"] == 1
     for name, tensor in whole["model"].items():
         torch.testing.assert_close(again["model"][name], tensor, rtol=0, atol=1e-5)
+    # Rank 0's random stream goes on from elsewhere than where --seed started it (and the
+    # whole run, which draws nothing after the weights, left it): dropout would repeat masks.
+    assert not torch.equal(again["rng"][0]["cpu"], whole["rng"][0]["cpu"])
     code, _, err = main_in_process(capfd, *args, "--checkpoint-dir", tmp_path / "resumed",
                                    "--epochs", "2", "--accum-steps", "3")  # 48, not 32
     assert code == 1 and err.count("\n") == 1, err
