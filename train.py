@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.util
+import ipaddress
 import json
 import math
 import os
@@ -206,6 +207,9 @@ def setup_distributed(args):
         if missing:
             raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
                              "torchrun, which sets them all, or unset RANK")
+        hosts_beside_this = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
+        if backend == "gloo" and hosts_beside_this:
+            check_other_hosts_can_reach_gloo()
         # By default torchrun's restarts reuse the rendezvous store of the first round, and
         # restarted workers can read the addresses of dead ones: they fail to connect or hang
         # (pytorch#135712, #167288).
@@ -219,6 +223,26 @@ def setup_distributed(args):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 device_id=device if backend == "nccl" else None)
     return rank, local_rank, world_size, device
+
+
+def check_other_hosts_can_reach_gloo():
+    """Without GLOO_SOCKET_IFNAME, gloo listens on the first address of this host's name,
+    or on 127.0.0.1 if the name has none. Debian and Ubuntu map the name to 127.0.1.1, and
+    a job across hosts would fail on one of them at start-up and hang on the others."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    host = socket.gethostname()
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        listens = f"resolves to {address}, so gloo would listen there"
+    except socket.gaierror:
+        address = "127.0.0.1"
+        listens = f"resolves to no address, so gloo would listen on {address}"
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:  # fe80::1%eth0: a scope
+        raise UsageError(f"this host's name, {host}, {listens}, where no other host can reach "
+                         f"it: map {host} to its address on the cluster network in /etc/hosts, "
+                         "or set GLOO_SOCKET_IFNAME to the interface that holds that address "
+                         "(launch.sh does)")
 
 
 def distributed():

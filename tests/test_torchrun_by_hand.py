@@ -25,16 +25,17 @@ def readme_command():
     return shlex.split(command)
 
 
-def torchrun_by_hand(cluster, train_args):
-    """The README's command on node1 (node rank 0) and node2 (1), one process each; their
-    results."""
+def torchrun_by_hand(cluster, train_args, words_left_out=()):
+    """The README's command on node1 (node rank 0) and node2 (1), one process each, but for
+    words_left_out; their results."""
     torchrun = Path(sys.executable).parent / "torchrun"  # the README's, on this PATH
 
     def on_host(node_rank, name):
         command = [re.sub(r"^--nproc-per-node=\d+$", "--nproc-per-node=1", w)
                    .replace("--node-rank=0", f"--node-rank={node_rank}")
                    .replace(README_ADDRESS, cluster.address("node1"))
-                   .replace("torchrun", str(torchrun)) for w in readme_command()]
+                   .replace("torchrun", str(torchrun))
+                   for w in readme_command() if w not in words_left_out]
         return run(cluster.command(name, ["env", *command, *train_args], cwd=REPO), timeout=120)
 
     with ThreadPoolExecutor(2) as pool:
@@ -52,6 +53,20 @@ def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_pat
     (row,) = metrics(tmp_path / "m.jsonl")
     assert row["world_size"] == 2 and row["step"] == 3
     assert "start: world_size=2 backend=gloo" in results[0].stdout
+
+
+def test_without_gloo_socket_ifname_every_host_stops_in_one_line(cluster, mnist_dir):
+    """The simulated hosts map their names to 127.0.1.1, as Debian and Ubuntu do, where
+    gloo would listen. Unchecked, one host failed at start-up and the other hung for
+    minutes, past --timeout, until the run's timeout here."""
+    results = torchrun_by_hand(cluster, [*TINY, "--data", mnist_dir, "--max-steps", "1"],
+                               words_left_out=["GLOO_SOCKET_IFNAME=eth0"])
+    for name, result in zip(cluster.hosts, results):
+        assert result.returncode != 0
+        assert (f"train.py: error: this host's name, {name}, resolves to 127.0.1.1, so gloo "
+                f"would listen there, where no other host can reach it: map {name} to its "
+                "address") in result.stderr, result.stderr
+        assert "start:" not in result.stdout
 
 
 @pytest.mark.parametrize("rank_0s, message", [
