@@ -305,7 +305,7 @@ add_clock_problems() {
 # Checks every host; fills addresses and port, or prints a table of the hosts
 # that failed and exits 1.
 preflight() {
-  local i report fields client='' timed_out=() reports=() check_started=() check_ended=()
+  local i report known_as fields client='' timed_out=() reports=() check_started=() check_ended=()
   local clock_low=() clock_high=()
   local -A seen=() # address -> host number
   run_checks
@@ -316,7 +316,16 @@ preflight() {
     elif [[ -z $report ]]; then
       report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
       report=${report#fail: }
+      report=${report%$'\r'} # ssh ends its own lines with \r\n
       reports[i]=${report:-no answer}
+      known_as=${destinations[i]#*@} # as known_hosts has it: [host]:port off port 22
+      if [[ -n ${ports[i]} ]] && ((10#${ports[i]} != 22)); then
+        known_as="[$known_as]:$((10#${ports[i]}))"
+      fi
+      case $report in
+        *'Permission denied ('*) reports[i]+=" (./setup_ssh.sh $hostfile installs your key; one with a passphrase needs ssh-add first)" ;;
+        'Host key verification failed.') reports[i]+=" (./setup_ssh.sh $hostfile records a new host's key; a changed one, find out why, then ssh-keygen -R '$known_as')" ;;
+      esac
     else
       read -ra fields <<<"$report"
       addresses[i]=${fields[3]}

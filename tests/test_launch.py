@@ -677,6 +677,27 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
     assert not cluster.wait_until_idle(0)
 
 
+@pytest.mark.parametrize("line, ssh_options, failure, hint", [
+    ("nobody@node1", "", "Permission denied (publickey", "(./setup_ssh.sh {hostfile} installs your key; "
+     "one with a passphrase needs ssh-add first)"),
+    ("node1:22", "-o UserKnownHostsFile=/dev/null", "Host key verification failed.",
+     "(./setup_ssh.sh {hostfile} records a new host's key; a changed one, find out why, then "
+     "ssh-keygen -R 'node1')"),  # as known_hosts names it: [node1]:PORT on another port
+], ids=["user_unknown_there", "host_key_unknown"])
+def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, line, ssh_options,
+                                                  failure, hint):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{line}\n")
+    ssh_command = f"{cluster.ssh_command} {ssh_options}"
+    launch = run_launch(start, [hostfile, "1", *TRAIN], launch_env(cluster, SSH_COMMAND=ssh_command),
+                        timeout=30)
+    assert launch.proc.returncode == 1
+    head, row = launch.err.splitlines()
+    assert head == "launch.sh: preflight failed, nothing was started:", launch.err
+    assert row.startswith(f"  {line}  ") and failure in row, launch.err
+    assert row.endswith(" " + hint.format(hostfile=hostfile)), launch.err
+
+
 @contextlib.contextmanager
 def firewall_on_the_rendezvous_port(cluster, verdict):
     """An nft rule on node1: `verdict` for what reaches port 29555 from the bridge."""
