@@ -130,11 +130,14 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
 
 
 def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path, capfd):
-    # A node lost for good: 2 ranks x 16 go on as 1 x 16 x 2 accumulation steps. Only the
-    # order of float sums differs from a run that never stopped (4e-8 here); one sample
-    # skipped moves the weights by 4e-4. 512 samples: neither world size pads the last step.
+    # A node lost for good: 2 ranks x 16 go on as 1 x 16 x 2 accumulation steps, and meet a
+    # run that was 1 x 16 x 2 throughout. Their first 3 steps differ in the order of float
+    # sums (1.5e-8); one sample moved to another step moves the weights by 7e-4. Against a
+    # 2-rank run, each step's new rounding grows to 4e-5 by the end. 512 samples: neither
+    # world size pads the last step.
     args = [*TINY, "--data", mnist_dir, "--epochs", "1"]
-    assert_ok(torchrun(2, *args, "--checkpoint-dir", tmp_path / "whole"))
+    assert_ok(run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / "whole",
+                   "--accum-steps", "2"]))
     assert_ok(torchrun(2, *args, "--checkpoint-dir", tmp_path / "resumed", "--max-steps", "3"))
     resumed = run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / "resumed",
                    "--accum-steps", "2"])
@@ -143,9 +146,9 @@ def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path
             "instead of world size 2 x --batch-size 16 x --accum-steps 1: the same global "
             "batches".format(tmp_path / "resumed" / "last.pt")) in resumed.stdout, resumed.stdout
     whole, again = load(tmp_path / "whole" / "last.pt"), load(tmp_path / "resumed" / "last.pt")
-    assert whole["step"] == again["step"] == 16 and again["world_size"] == 1
+    assert whole["step"] == again["step"] == 16 and whole["world_size"] == again["world_size"] == 1
     for name, tensor in whole["model"].items():
-        torch.testing.assert_close(again["model"][name], tensor, rtol=0, atol=1e-5)
+        torch.testing.assert_close(again["model"][name], tensor, rtol=0, atol=1e-6)
     # Rank 0's random stream goes on from elsewhere than where --seed started it (and the
     # whole run, which draws nothing after the weights, left it): dropout would repeat masks.
     assert not torch.equal(again["rng"][0]["cpu"], whole["rng"][0]["cpu"])
@@ -159,6 +162,19 @@ def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path
     code, _, err = main_in_process(capfd, *args, "--checkpoint-dir", tmp_path / "resumed",
                                    "--epochs", "2", "--batch-size", "8", "--accum-steps", "2")
     assert code == 1 and "(world size 1 x --batch-size 16 x --accum-steps 2, say)" in err, err
+
+
+def test_resume_on_another_kind_of_device_draws_a_new_random_stream(mnist_dir, tmp_path):
+    # A GPU run's dropout draws from the CUDA generator, and leaves the CPU's where the
+    # weights left it: a CPU run that restored it would repeat the first steps' masks.
+    args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", tmp_path]
+    assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "2"]))
+    checkpoint = load(tmp_path / "last.pt")
+    checkpoint["rng"][0]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as a GPU run's
+    torch.save(checkpoint, tmp_path / "last.pt")
+    assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "4"]))
+    # The CPU run draws nothing after the weights: a restored stream would be where it was.
+    assert not torch.equal(load(tmp_path / "last.pt")["rng"][0]["cpu"], checkpoint["rng"][0]["cpu"])
 
 
 def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, capfd):
