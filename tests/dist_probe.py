@@ -3,16 +3,26 @@
 Every rank prints its rank, the world size, the sum of all ranks, a few
 environment variables and its --echo argument. Each line goes out in one write:
 torchrun runs workers with `python -u`, where print() writes a line in pieces that
-the ranks sharing a node's stdout would interleave.
+the ranks sharing a node's stdout would interleave. A value longer than 256 characters
+is printed as its SHA-256, so that the line stays within what a pipe takes in one
+piece (4 KiB): a longer write may be split too.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+
+def shown(value):
+    if value is None or len(value) <= 256:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1)
@@ -29,7 +39,7 @@ for _ in range(args.steps):
     time.sleep(args.sleep)
 names = ("PROBE_SECRET", "TORCH_PROBE_SECRET", "LAUNCHER_ONLY", "GLOO_SOCKET_IFNAME")
 sys.stdout.write(f"probe: rank={rank} world_size={world} sum={int(total.item())} "
-                 + " ".join(f"{n}={os.environ.get(n)}" for n in names)
+                 + " ".join(f"{n}={shown(os.environ.get(n))}" for n in names)
                  + f" echo={args.echo!r}\n")
 dist.destroy_process_group()
 sys.stdout.flush()

@@ -1,6 +1,7 @@
 """launch.sh against a simulated cluster of real sshd hosts (see cluster.py)."""
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -308,7 +309,8 @@ def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start)
     assert sorted(rank for _, rank, _ in reports) == ["0", "1", "2", "3"]
     assert sorted(host for host, _, _ in reports) == ["node1", "node1", "node2", "node2"]
     for _, _, rest in reports:
-        assert f"PROBE_SECRET={secret} TORCH_PROBE_SECRET={torch_secret} LAUNCHER_ONLY=None" in rest
+        assert (f"PROBE_SECRET=sha256:{hashlib.sha256(secret.encode()).hexdigest()} "
+                f"TORCH_PROBE_SECRET={torch_secret} LAUNCHER_ONLY=None") in rest
         assert "GLOO_SOCKET_IFNAME=eth0" in rest  # the interface of the address the others reach
         assert rest.endswith(f"echo={ODD_ARG!r}")
     assert not (REPO / "x").exists() and not (REPO / "y").exists()
