@@ -41,9 +41,12 @@ def test_nccl_bf16_run_saves_and_resumes(tmp_path):
 def test_checkpoint_moves_from_gpu_to_cpu_and_back(tmp_path):
     args = [sys.executable, TRAIN, *SYNTHETIC_CNN, "--amp", "fp16", "--checkpoint-dir", tmp_path]
     assert_ok(run([*args, "--max-steps", "10"], gpus=True))
+    gpu_runs_cpu_stream = load(tmp_path / "last.pt")["rng"][0]["cpu"]
     on_cpu = run([*args, "--max-steps", "20"])  # run() hides the GPUs
     assert_ok(on_cpu)
     assert "at step 10" in on_cpu.stdout and "device=cpu" in on_cpu.stdout
+    # The cnn draws nothing on the CPU after its weights: a restored stream would be unmoved.
+    assert not torch.equal(load(tmp_path / "last.pt")["rng"][0]["cpu"], gpu_runs_cpu_stream)
     back = run([*args, "--max-steps", "30"], gpus=True)
     assert_ok(back)
     assert "at step 20" in back.stdout and "device=cuda:0" in back.stdout
