@@ -226,23 +226,43 @@ def setup_distributed(args):
 
 
 def check_other_hosts_can_reach_gloo():
-    """Without GLOO_SOCKET_IFNAME, gloo listens on the first address of this host's name,
-    or on 127.0.0.1 if the name has none. Debian and Ubuntu map the name to 127.0.1.1, and
-    a job across hosts would fail on one of them at start-up and hang on the others."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
+    """Without GLOO_SOCKET_IFNAME, gloo listens on the first address of this host's name
+    that it can bind, or on 127.0.0.1. Debian and Ubuntu map the name to 127.0.1.1, and a
+    job across hosts would fail on one of them at start-up and hang on the others."""
+    if len(os.environ.get("GLOO_SOCKET_IFNAME", "")) > 1:  # torch ignores a shorter value
         return
+    if is_loopback(os.environ["MASTER_ADDR"]):
+        return  # every node on this machine, as in a test of two nodes on one box
     host = socket.gethostname()
+    address = first_bindable_address(host) or "127.0.0.1"
+    if is_loopback(address):
+        raise UsageError(f"this host's name, {host}, gives gloo {address} to listen on, where "
+                         f"no other host can reach it: map {host} to this host's address on the "
+                         "cluster network in /etc/hosts, or set GLOO_SOCKET_IFNAME to the "
+                         "interface that holds that address if it is not lo (launch.sh does)")
+
+
+def is_loopback(address):
+    """True for localhost and loopback addresses, False for other names."""
     try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        listens = f"resolves to {address}, so gloo would listen there"
-    except socket.gaierror:
-        address = "127.0.0.1"
-        listens = f"resolves to no address, so gloo would listen on {address}"
-    if ipaddress.ip_address(address.split("%")[0]).is_loopback:  # fe80::1%eth0: a scope
-        raise UsageError(f"this host's name, {host}, {listens}, where no other host can reach "
-                         f"it: map {host} to its address on the cluster network in /etc/hosts, "
-                         "or set GLOO_SOCKET_IFNAME to the interface that holds that address "
-                         "(launch.sh does)")
+        return address == "localhost" or ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:  # a name; the % of fe80::1%eth0 begins a scope
+        return False
+
+
+def first_bindable_address(host):
+    try:
+        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):  # no address; a label of over 63 characters
+        return None
+    for family, kind, protocol, _, address in candidates:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(address)
+                return address[0]
+            except OSError:  # ::1 where IPv6 is off, an address this host does not hold
+                continue
+    return None
 
 
 def distributed():
@@ -578,6 +598,7 @@ def rng_state(device):
 
 
 def set_rng_state(state, device):
+    """`state` from rng_state() on the same kind of device."""
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)

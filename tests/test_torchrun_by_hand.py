@@ -63,9 +63,9 @@ def test_without_gloo_socket_ifname_every_host_stops_in_one_line(cluster, mnist_
                                words_left_out=["GLOO_SOCKET_IFNAME=eth0"])
     for name, result in zip(cluster.hosts, results):
         assert result.returncode != 0
-        assert (f"train.py: error: this host's name, {name}, resolves to 127.0.1.1, so gloo "
-                f"would listen there, where no other host can reach it: map {name} to its "
-                "address") in result.stderr, result.stderr
+        assert (f"train.py: error: this host's name, {name}, gives gloo 127.0.1.1 to listen "
+                f"on, where no other host can reach it: map {name} to this host's address"
+                ) in result.stderr, result.stderr
         assert "start:" not in result.stdout
 
 

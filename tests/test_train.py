@@ -129,6 +129,11 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
+def reseeded_state(step):
+    """Rank 0's random state where a resume reseeds it, with --seed 0 (train.resume_from)."""
+    return torch.Generator().manual_seed(step << 32).get_state()
+
+
 def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path, capfd):
     # A node lost for good: 2 ranks x 16 go on as 1 x 16 x 2 accumulation steps, and meet a
     # run that was 1 x 16 x 2 throughout. Their first 3 steps differ in the order of float
@@ -149,9 +154,10 @@ def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path
     assert whole["step"] == again["step"] == 16 and whole["world_size"] == again["world_size"] == 1
     for name, tensor in whole["model"].items():
         torch.testing.assert_close(again["model"][name], tensor, rtol=0, atol=1e-6)
-    # Rank 0's random stream goes on from elsewhere than where --seed started it (and the
-    # whole run, which draws nothing after the weights, left it): dropout would repeat masks.
-    assert not torch.equal(again["rng"][0]["cpu"], whole["rng"][0]["cpu"])
+    # No rank of the checkpoint's is this one: rank 0 draws a stream of its own for the step,
+    # not the one where --seed began, whose dropout masks would repeat the first steps'. The
+    # cnn draws nothing after its weights: the run ends with the stream it resumed with.
+    assert torch.equal(again["rng"][0]["cpu"], reseeded_state(3))
     code, _, err = main_in_process(capfd, *args, "--checkpoint-dir", tmp_path / "resumed",
                                    "--epochs", "2", "--accum-steps", "3")  # 48, not 32
     assert code == 1 and err.count("\n") == 1, err
@@ -166,15 +172,20 @@ def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path
 
 def test_resume_on_another_kind_of_device_draws_a_new_random_stream(mnist_dir, tmp_path):
     # A GPU run's dropout draws from the CUDA generator, and leaves the CPU's where the
-    # weights left it: a CPU run that restored it would repeat the first steps' masks.
-    args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", tmp_path]
-    assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "2"]))
-    checkpoint = load(tmp_path / "last.pt")
+    # weights left it: a CPU run that restored it would repeat the first steps' masks. The
+    # cnn draws nothing after its weights, so a run ends with the stream it resumed with.
+    args = [*TINY, "--data", mnist_dir]
+    assert_ok(run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / "cpu",
+                   "--max-steps", "2"]))
+    checkpoint = load(tmp_path / "cpu" / "last.pt")
     checkpoint["rng"][0]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as a GPU run's
-    torch.save(checkpoint, tmp_path / "last.pt")
-    assert_ok(run([sys.executable, TRAIN, *args, "--max-steps", "4"]))
-    # The CPU run draws nothing after the weights: a restored stream would be where it was.
-    assert not torch.equal(load(tmp_path / "last.pt")["rng"][0]["cpu"], checkpoint["rng"][0]["cpu"])
+    (tmp_path / "gpu").mkdir()
+    torch.save(checkpoint, tmp_path / "gpu" / "last.pt")
+    for written_on, stream in [("cpu", checkpoint["rng"][0]["cpu"]),  # restored
+                               ("gpu", reseeded_state(2))]:
+        assert_ok(run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / written_on,
+                       "--max-steps", "4"]))
+        assert torch.equal(load(tmp_path / written_on / "last.pt")["rng"][0]["cpu"], stream)
 
 
 def test_corrupt_or_foreign_checkpoint_is_a_clear_error(mnist_dir, tmp_path, capfd):
@@ -529,6 +540,29 @@ def test_rank_set_by_hand_without_torchrun_is_one_line(monkeypatch, capfd):
     assert main_in_process(capfd, "--dataset", "synthetic") == (
         1, "", "train.py: error: RANK is set but not LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
         "MASTER_PORT: start train.py with torchrun, which sets them all, or unset RANK\n")
+
+
+@pytest.mark.parametrize("master_addr, gloo_socket_ifname, refused", [
+    ("10.0.0.11", None, True),
+    ("10.0.0.11", "", True),  # torch ignores it
+    ("10.0.0.11", "eth0", False),
+    ("127.0.0.1", None, False),  # every node on this machine: loopback reaches them all
+    ("localhost", None, False),
+])
+def test_gloo_across_hosts_on_a_name_that_resolves_to_loopback_is_refused(
+        monkeypatch, master_addr, gloo_socket_ifname, refused):
+    """A unit test: tests/test_torchrun_by_hand.py has the refusal across simulated hosts."""
+    monkeypatch.setattr(train.socket, "gethostname", lambda: "localhost")
+    monkeypatch.setenv("MASTER_ADDR", master_addr)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    if gloo_socket_ifname is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", gloo_socket_ifname)
+    if refused:
+        with pytest.raises(train.UsageError, match=r"^this host's name, localhost, gives gloo "
+                           r"(127\.0\.0\.1|::1) to listen on, where no other host can reach it"):
+            train.check_other_hosts_can_reach_gloo()
+    else:
+        train.check_other_hosts_can_reach_gloo()
 
 
 def test_nccl_without_a_gpu_is_one_message_per_node():
