@@ -302,10 +302,33 @@ add_clock_problems() {
   fi
 }
 
+# Prints what fixes ssh's refusal $2 of host $1, in parentheses, or nothing.
+ssh_refusal_fix() {
+  local i=$1 report=$2 setup_ssh removal
+  setup_ssh=$(quote_words "$(dirname -- "$THIS_FILE")/setup_ssh.sh" "$hostfile")
+  case $report in
+    *'Permission denied ('*)
+      echo " ($setup_ssh installs your key; one with a passphrase needs ssh-add first)"
+      ;;
+    'Host key verification failed.')
+      if grep -q 'REMOTE HOST IDENTIFICATION HAS CHANGED' "$tmp/preflight.$i"; then
+        # ssh's own command names the entry as ~/.ssh/config's HostName, Port and
+        # HostKeyAlias make it.
+        removal=$(grep -A 1 '^ *remove with:' "$tmp/preflight.$i" | tail -n 1) || true
+        removal=${removal#"${removal%%ssh-keygen*}"} removal=${removal%$'\r'}
+        echo " (its key changed since it was recorded: find out why, then" \
+          "${removal:-remove the old key from known_hosts})"
+      else
+        echo " ($setup_ssh records a new host's key)"
+      fi
+      ;;
+  esac
+}
+
 # Checks every host; fills addresses and port, or prints a table of the hosts
 # that failed and exits 1.
 preflight() {
-  local i report known_as fields client='' timed_out=() reports=() check_started=() check_ended=()
+  local i report fields client='' timed_out=() reports=() check_started=() check_ended=()
   local clock_low=() clock_high=()
   local -A seen=() # address -> host number
   run_checks
@@ -317,15 +340,7 @@ preflight() {
       report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
       report=${report#fail: }
       report=${report%$'\r'} # ssh ends its own lines with \r\n
-      reports[i]=${report:-no answer}
-      known_as=${destinations[i]#*@} # as known_hosts has it: [host]:port off port 22
-      if [[ -n ${ports[i]} ]] && ((10#${ports[i]} != 22)); then
-        known_as="[$known_as]:$((10#${ports[i]}))"
-      fi
-      case $report in
-        *'Permission denied ('*) reports[i]+=" (./setup_ssh.sh $hostfile installs your key; one with a passphrase needs ssh-add first)" ;;
-        'Host key verification failed.') reports[i]+=" (./setup_ssh.sh $hostfile records a new host's key; a changed one, find out why, then ssh-keygen -R '$known_as')" ;;
-      esac
+      reports[i]=${report:-no answer}$(ssh_refusal_fix "$i" "$report")
     else
       read -ra fields <<<"$report"
       addresses[i]=${fields[3]}

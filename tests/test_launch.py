@@ -679,25 +679,36 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
     assert not cluster.wait_until_idle(0)
 
 
-@pytest.mark.parametrize("line, ssh_options, failure, hint", [
-    ("nobody@node1", "", "Permission denied (publickey", "(./setup_ssh.sh {hostfile} installs your key; "
-     "one with a passphrase needs ssh-add first)"),
-    ("node1:22", "-o UserKnownHostsFile=/dev/null", "Host key verification failed.",
-     "(./setup_ssh.sh {hostfile} records a new host's key; a changed one, find out why, then "
-     "ssh-keygen -R 'node1')"),  # as known_hosts names it: [node1]:PORT on another port
-], ids=["user_unknown_there", "host_key_unknown"])
-def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, line, ssh_options,
+@pytest.mark.parametrize("user, known_hosts, failure, hint", [
+    ("nobody@", None, "Permission denied (publickey",
+     "('{setup_ssh}' '{hostfile}' installs your key; one with a passphrase needs ssh-add first)"),
+    ("", "empty", "Host key verification failed.",
+     "('{setup_ssh}' '{hostfile}' records a new host's key)"),
+    # As ssh checks it: under the address that the ssh config's HostName gives node1.
+    ("", "another host's key", "Host key verification failed.",
+     "(its key changed since it was recorded: find out why, then ssh-keygen -f "
+     '"{known_hosts}" -R "{address}")'),
+], ids=["user_unknown_there", "host_key_unknown", "host_key_changed"])
+def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, user, known_hosts,
                                                   failure, hint):
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text(f"{line}\n")
-    ssh_command = f"{cluster.ssh_command} {ssh_options}"
+    hostfile.write_text(f"{user}node1\n")
+    ssh_command = cluster.ssh_command
+    if known_hosts:
+        node1, node2 = (cluster.known_hosts.read_text().splitlines()[i].split(" ", 1)
+                        for i in range(2))
+        lines = {"empty": "", "another host's key": f"{node1[0]} {node2[1]}\n"}
+        (tmp_path / "known_hosts").write_text(lines[known_hosts])
+        ssh_command += f" -o UserKnownHostsFile={tmp_path / 'known_hosts'}"
     launch = run_launch(start, [hostfile, "1", *TRAIN], launch_env(cluster, SSH_COMMAND=ssh_command),
                         timeout=30)
     assert launch.proc.returncode == 1
     head, row = launch.err.splitlines()
     assert head == "launch.sh: preflight failed, nothing was started:", launch.err
-    assert row.startswith(f"  {line}  ") and failure in row, launch.err
-    assert row.endswith(" " + hint.format(hostfile=hostfile)), launch.err
+    assert row.startswith(f"  {user}node1  ") and failure in row, launch.err
+    assert row.endswith(" " + hint.format(setup_ssh=REPO / "setup_ssh.sh", hostfile=hostfile,
+                                          known_hosts=tmp_path / "known_hosts",
+                                          address=cluster.address("node1"))), launch.err
 
 
 @contextlib.contextmanager
