@@ -418,6 +418,10 @@ def test_hosts_with_their_address_on_lo_as_on_routed_fabrics(tmp_path, start, tr
             assert launch.proc.returncode == 1
             assert sorted(warnings) == [(name, fabric.address(name), "127.0.1.1")
                                         for name in fabric.hosts], launch.out
+            # train.py refuses at once (launch.sh may stop the second host before it says so)
+            refusals = re.findall(r"^(node[12]): .*train.py: error: this host's name, \1, gives "
+                                  r"gloo 127.0.1.1 to listen on", launch.out + launch.err, re.M)
+            assert refusals and set(refusals) <= set(fabric.hosts), launch.out + launch.err
         assert_nothing_left(fabric, launch)
 
 
