@@ -1044,12 +1044,13 @@ def main(argv=None):
         # finish, and then this rank's error never shows and torchrun never sees it fail.
         try:
             if isinstance(e, RuntimeError) and any(text in str(e) for text in LOST_PEER_TEXTS):
-                # Most likely another rank failed first: one line here, so that the
-                # tracebacks of the ranks that lost it do not bury that rank's, and a
-                # pause, so that that rank's node ends first, and launch.sh names it.
+                # Most likely another rank failed first, or the job is being stopped: a
+                # pause, so that that rank's node ends first, and launch.sh names it (and
+                # stops this one, quietly), then one line, so that the tracebacks of the
+                # ranks that lost it do not bury that rank's.
+                time.sleep(3)
                 print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, "
                               f"or stayed away past --timeout): {describe(e)}"])
-                time.sleep(3)
             else:
                 sys.excepthook(*sys.exc_info())  # torch's: each line starts [rankN]
             sys.stdout.flush()
