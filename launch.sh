@@ -304,23 +304,16 @@ add_clock_problems() {
 
 # Prints what fixes ssh's refusal $2 of host $1, in parentheses, or nothing.
 ssh_refusal_fix() {
-  local i=$1 report=$2 setup_ssh removal
+  local i=$1 report=$2 setup_ssh changed
   setup_ssh=$(quote_words "$(dirname -- "$THIS_FILE")/setup_ssh.sh" "$hostfile")
   case $report in
     *'Permission denied ('*)
       echo " ($setup_ssh installs your key; one with a passphrase needs ssh-add first)"
       ;;
     'Host key verification failed.')
-      if grep -q 'REMOTE HOST IDENTIFICATION HAS CHANGED' "$tmp/preflight.$i"; then
-        # ssh's own command names the entry as ~/.ssh/config's HostName, Port and
-        # HostKeyAlias make it.
-        removal=$(grep -A 1 '^ *remove with:' "$tmp/preflight.$i" | tail -n 1) || true
-        removal=${removal#"${removal%%ssh-keygen*}"} removal=${removal%$'\r'}
-        echo " (its key changed since it was recorded: find out why, then" \
-          "${removal:-remove the old key from known_hosts})"
-      else
-        echo " ($setup_ssh records a new host's key)"
-      fi
+      changed=$(changed_host_key_fix "$(<"$tmp/preflight.$i")")
+      if [[ -z $changed ]]; then changed=" ($setup_ssh records a new host's key)"; fi
+      echo "$changed"
       ;;
   esac
 }

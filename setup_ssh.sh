@@ -13,9 +13,11 @@
 #    that refuses the key is asked for a password: it comes from $SSHPASS
 #    through `sshpass -e` when both are there, or is asked once per host.
 #    New host keys are recorded with StrictHostKeyChecking=accept-new; a
-#    changed host key stops that host.
+#    changed host key stops that host. A key with a passphrase must be in
+#    ssh-agent first (ssh-add), as launch.sh's BatchMode logins need it there.
 # 3. Prints a table of whether BatchMode login works on each host, and exits 1
-#    if it does not on any.
+#    if it does not on any. A host that does not answer within 30 s (a login
+#    that hangs) fails.
 #
 # Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
@@ -35,6 +37,8 @@ set -euo pipefail
 THIS_FILE=$(readlink -f -- "${BASH_SOURCE[0]}" 2>/dev/null) || THIS_FILE=${BASH_SOURCE[0]}
 # shellcheck source=lib/hosts.sh
 source "$(dirname -- "$THIS_FILE")/lib/hosts.sh"
+
+readonly LOGIN_SECONDS=30 # a login that takes longer hangs
 
 # Runs on each host, in bash: reads the public key's line from stdin and
 # appends it to ~/.ssh/authorized_keys unless the key is there already (under
@@ -85,6 +89,16 @@ read_public_key() {
   public_key=${public_key%$'\r'}
 }
 
+# BatchMode logins (this script's checks, launch.sh's) cannot ask for a
+# passphrase: a key that has one must be in ssh-agent.
+check_key_usable_without_prompt() {
+  local blob
+  ssh-keygen -y -P '' -f "$key" >/dev/null 2>&1 && return 0
+  read -r _ blob _ <<<"$public_key"
+  ssh-add -L 2>/dev/null | grep -qF " $blob" ||
+    die "$key has a passphrase, and no ssh-agent holds it: run 'ssh-add $key' first"
+}
+
 # Sets cmd to ssh to host number $1 with the extra options "${@:2}".
 ssh_for() {
   local i=$1
@@ -92,9 +106,20 @@ ssh_for() {
   # RemoteCommand=none: ssh refuses a command given beside one of
   # ~/.ssh/config's. ClearAllForwardings: a port forwarded there may be taken
   # by the user's own session.
+  # LogLevel=ERROR: ssh's reasons show even where the config says QUIET.
   cmd=("${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
-    -o RemoteCommand=none -o ClearAllForwardings=yes ${ports[i]:+-p "${ports[i]}"} "$@"
-    "${destinations[i]}")
+    -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=ERROR
+    ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
+}
+
+# Runs "$@" for at most LOGIN_SECONDS where coreutils' timeout is there (not on
+# macOS); exits 124 past it.
+within_limit() {
+  if command -v timeout >/dev/null; then
+    timeout "$LOGIN_SECONDS" "$@"
+  else
+    "$@"
+  fi
 }
 
 # Adds the key on host number $1 with the key itself, or else, where the host
@@ -103,10 +128,14 @@ ssh_for() {
 install_key() {
   local i=$1 install error status=0
   install=$(remote_bash_command "$INSTALL_KEY")
-  ssh_for "$i" -i "$key" -o BatchMode=yes
-  error=$("${cmd[@]}" "$install" <<<"$public_key" 2>&1 >/dev/null) || status=$?
+  # IdentitiesOnly: an agent's keys, offered first, would use up the host's
+  # MaxAuthTries (6) before this one.
+  ssh_for "$i" -i "$key" -o IdentitiesOnly=yes -o BatchMode=yes
+  error=$(within_limit "${cmd[@]}" "$install" <<<"$public_key" 2>&1 >/dev/null) || status=$?
   if ((status == 0)); then
     return 0
+  elif ((status == 124)); then # the table says so
+    return 124
   elif ((status != 255)); then # logged in, and the command failed (a read-only home, say)
     echo "setup_ssh.sh: ${labels[i]}: cannot add the key: $(tail -n 1 <<<"$error")" >&2
     return 1
@@ -114,27 +143,39 @@ install_key() {
     return 1
   fi
   echo "setup_ssh.sh: ${labels[i]}: installing $key.pub with a password login" >&2
-  ssh_for "$i" -o NumberOfPasswordPrompts=1
+  # No key: sshpass answers a password prompt, and a passphrase's would wait forever.
+  ssh_for "$i" -o NumberOfPasswordPrompts=1 -o PubkeyAuthentication=no
   if [[ -n ${SSHPASS:-} ]] && command -v sshpass >/dev/null; then
-    cmd=(sshpass -e "${cmd[@]}")
+    within_limit sshpass -e "${cmd[@]}" "$install" <<<"$public_key"
+  else # a person types it: no time limit
+    "${cmd[@]}" "$install" <<<"$public_key"
   fi
-  "${cmd[@]}" "$install" <<<"$public_key"
+}
+
+no_answer() {
+  echo "FAILED: no answer within $LOGIN_SECONDS s (a login that hangs: a slow .bashrc, a" \
+    "stale network mount?)"
 }
 
 # Prints "ok" or why BatchMode login to host number $1 fails, as launch.sh
 # will log in: with the keys ssh offers by itself.
 check_login() {
-  local i=$1 output
+  local i=$1 output reason status=0
   ssh_for "$i" -o BatchMode=yes
-  if output=$("${cmd[@]}" true 2>&1 </dev/null); then
+  output=$(within_limit "${cmd[@]}" true 2>&1 </dev/null) || status=$?
+  if ((status == 0)); then
     echo ok
+    return
+  elif ((status == 124)); then
+    no_answer
     return
   fi
   ssh_for "$i" -i "$key" -o BatchMode=yes
-  if "${cmd[@]}" true >/dev/null 2>&1 </dev/null; then
+  if within_limit "${cmd[@]}" true >/dev/null 2>&1 </dev/null; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
-    echo "FAILED: $(tail -n 1 <<<"$output")"
+    reason=$(grep -v '^[[:space:]]*$' <<<"$output" | tail -n 1) || true
+    echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")"
   fi
 }
 
@@ -142,7 +183,7 @@ main() {
   require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=() public_key
-  local i width=4 result failed=0
+  local i width=4 result status failed=0 timed_out=()
   while (($#)); do
     case $1 in
       -h | --help) usage; exit 0 ;;
@@ -161,14 +202,21 @@ main() {
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
   create_key
   read_public_key
+  check_key_usable_without_prompt
+  if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
+    echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
+      "refuses the key asks for its password, and without a terminal fails" >&2
+  fi
 
   for i in "${!labels[@]}"; do
-    install_key "$i" || true # the table below reports it
+    status=0
+    install_key "$i" || status=$? # the table below reports a failure
+    if ((status == 124)); then timed_out[i]=1; fi
     ((${#labels[i]} <= width)) || width=${#labels[i]}
   done
   printf '%-*s  %s\n' "$width" HOST "BATCHMODE LOGIN"
   for i in "${!labels[@]}"; do
-    result=$(check_login "$i")
+    if [[ -n ${timed_out[i]:-} ]]; then result=$(no_answer); else result=$(check_login "$i"); fi
     [[ $result == ok ]] || failed=1
     printf '%-*s  %s\n' "$width" "${labels[i]}" "$result"
   done

@@ -96,3 +96,15 @@ remote_bash_command() {
   payload=$(printf 'set -- %s\n%s\n' "$(quote_words "$@")" "$script" | base64 | tr -d '\n')
   echo "bash -c 'eval \"\$(echo $payload | base64 -d)\"'"
 }
+
+# For ssh's output $1: where it refused a changed host key, prints what to do,
+# in parentheses (ssh's own command names the known_hosts entry as
+# ~/.ssh/config's HostName, Port and HostKeyAlias make it); else nothing.
+changed_host_key_fix() {
+  local removal
+  [[ $1 == *'REMOTE HOST IDENTIFICATION HAS CHANGED'* ]] || return 0
+  removal=$(grep -A 1 '^ *remove with:' <<<"$1" | tail -n 1) || true
+  removal=${removal#"${removal%%ssh-keygen*}"} removal=${removal%$'\r'}
+  echo " (its key changed since it was recorded: find out why, then" \
+    "${removal:-remove the old key from known_hosts})"
+}

@@ -1,9 +1,12 @@
 """setup_ssh.sh against simulated hosts that start with password login only."""
 
+import contextlib
+import os
 import re
 import secrets
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +158,75 @@ def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given
         f"setup_ssh.sh: no {key}.pub: --key takes a private key with its public key beside it "
         f"('ssh-keygen -y -f {key} > {key}.pub' writes it)\n")
     assert state(cluster, key) == before
+
+
+@contextlib.contextmanager
+def ssh_agent_holding(key, passphrase, tmp_path):
+    """An ssh-agent of this test's own, holding key; yields its SSH_AUTH_SOCK."""
+    socket_path = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", socket_path], stdout=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        askpass = tmp_path / "askpass"
+        askpass.write_text(f"#!/bin/sh\necho '{passphrase}'\n")
+        askpass.chmod(0o700)
+        for _ in range(100):
+            if socket_path.exists():
+                break
+            time.sleep(0.05)
+        subprocess.run(["ssh-add", key], env={**os.environ, "SSH_AUTH_SOCK": str(socket_path),
+                       "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"},
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=10, check=True)
+        yield str(socket_path)
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_a_key_with_a_passphrase_is_used_through_ssh_agent(cluster, tmp_path):
+    """Without an agent it is refused before any host is touched: BatchMode logins cannot
+    ask for the passphrase. With one, another key that ssh offers, which has a passphrase
+    and which the hosts accept, must not stall the password login: ssh would ask for that
+    passphrase, and sshpass answers only a password's prompt."""
+    require_sshpass()
+    key, other_key = tmp_path / "id_ed25519", tmp_path / "id_other"
+    for path in (key, other_key):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "phrase", "-f", path], check=True)
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
+    for host in cluster.hosts:
+        (cluster.host(host).dir / "home/.ssh/authorized_keys").write_text(
+            Path(f"{other_key}.pub").read_text())
+    before = state(cluster, key)
+    without_agent = {k: v for k, v in cluster.env().items() if k != "SSH_AUTH_SOCK"}
+    refused = subprocess.run([SETUP, "--key", key, hostfile], env=without_agent,
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+    assert refused.stderr == (f"setup_ssh.sh: {key} has a passphrase, and no ssh-agent holds it: "
+                              f"run 'ssh-add {key}' first\n")
+    assert state(cluster, key) == before
+    with ssh_agent_holding(key, "phrase", tmp_path) as agent:
+        result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_AUTH_SOCK=agent,
+                           SSH_COMMAND=f"{cluster.ssh_command} -i {other_key} -i {key}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(re.search(rf"^{host} +ok$", result.stdout, re.M) for host in cluster.hosts), result.stdout
+
+
+def test_a_host_whose_login_hangs_is_given_up_after_30_s(cluster, tmp_path):
+    require_sshpass()
+    key = tmp_path / "id_ed25519"
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:1])
+    bashrc = cluster.host(cluster.hosts[0]).dir / "home/.bashrc"
+    bashrc.write_text("sleep 120\n")  # bash reads it for an ssh command too
+    try:
+        started = time.monotonic()
+        result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
+        took = time.monotonic() - started
+    finally:
+        bashrc.unlink()
+    assert result.returncode == 1
+    assert re.search(rf"^{cluster.hosts[0]} +FAILED: no answer within 30 s \(a login that hangs",
+                     result.stdout, re.M), result.stdout + result.stderr
+    assert took < 45, took  # once, not again for the table
 
 
 def test_only_this_machine_is_nothing_to_do(tmp_path):
