@@ -431,7 +431,9 @@ def differences(label, report, ref_label, ref):
     for name, key, comparable in MUST_MATCH:
         mine, theirs = [("missing" if v is None else v) for v in (report[key], ref[key])]
         if comparable(mine) != comparable(theirs):
-            found.append(f"{label}: {name} {mine} differs from {ref_label} ({theirs})")
+            why = report["why_missing"].get(key) if report[key] is None else None
+            shown = f"missing ({why})" if why else mine  # torchvision that fails to import, say
+            found.append(f"{label}: {name} {shown} differs from {ref_label} ({theirs})")
     return found
 
 
@@ -669,13 +671,28 @@ def stop_at_signal(signum, frame):
     sys.exit(128 + signum)
 
 
+def ssh_refusal_fix(last_line, stderr):
+    """What fixes ssh's refusal to log in, as launch.sh's preflight says it; else None."""
+    if "Permission denied (" in last_line:
+        return "setup_ssh.sh installs your key; one with a passphrase needs ssh-add first"
+    if last_line != "Host key verification failed.":
+        return None
+    if "REMOTE HOST IDENTIFICATION HAS CHANGED" not in stderr:
+        return "setup_ssh.sh records a new host's key"
+    # ssh's own command names the known_hosts entry as ~/.ssh/config makes it
+    removal = re.search(r"^\s*(ssh-keygen .*)$", stderr, re.M)
+    return ("its key changed since it was recorded: find out why, then "
+            + (removal[1] if removal else "remove the old key from known_hosts"))
+
+
 def failure(host, python, status, stderr):
     """Why a command on host failed, in the words a user needs to fix it."""
     last_line = (stderr.strip().splitlines() or [""])[-1]
     if status is None:
         return last_line
     if status == 255 and not host.is_local:  # ssh's own failure, not the command's
-        return f"unreachable: {last_line}"
+        fix = ssh_refusal_fix(last_line, stderr)
+        return f"ssh refused the login: {last_line} ({fix})" if fix else f"unreachable: {last_line}"
     if status == 127:
         return f"{python} not found (use --python)"
     return f"{python} failed with exit status {status}: {last_line}"

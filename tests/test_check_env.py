@@ -218,6 +218,14 @@ def three_hosts(b=None, c=None):
             None,
             ["b: python 3.12.1 differs from a (3.11.7)", "b: torchvision missing differs from a (0.29.1+cu130)"],
         ),
+        (  # installed, but built for another torch: the reason, not just "missing"
+            three_hosts(b=host_report("b", "10.0.0.2/24", torchvision=None, why_missing={
+                "torchvision": "torchvision does not import: RuntimeError: operator "
+                               "torchvision::nms does not exist"})),
+            None,
+            ["b: torchvision missing (torchvision does not import: RuntimeError: operator "
+             "torchvision::nms does not exist) differs from a (0.29.1+cu130)"],
+        ),
         (
             three_hosts(c=without_torch("c", "10.0.0.3/24")),
             None,
@@ -301,6 +309,7 @@ def three_hosts(b=None, c=None):
         "torch",
         "nccl",
         "python-torchvision",
+        "torchvision-broken",
         "no-torch",
         "unreachable",
         "nproc-gpus",

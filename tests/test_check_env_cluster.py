@@ -112,6 +112,20 @@ def test_unreachable_host_is_a_problem(cluster, tmp_path):
     assert line.startswith(f"{cluster.unreachable_address}: unreachable: ssh: connect to host")
 
 
+@pytest.mark.parametrize("line, ssh_options, fix", [
+    ("nobody@node1", "", "(setup_ssh.sh installs your key; one with a passphrase needs ssh-add first)"),
+    ("node1", "-o UserKnownHostsFile=/dev/null", "(setup_ssh.sh records a new host's key)"),
+], ids=["user_unknown_there", "host_key_unknown"])
+def test_a_refused_login_is_not_called_unreachable(cluster, tmp_path, line, ssh_options, fix):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{line}\n")
+    env = cluster.env(SSH_COMMAND=f"{cluster.ssh_command} {ssh_options}")
+    result = run_check_env(["--hosts", str(hostfile)], timeout=60, env=env)
+    assert result.returncode == 1
+    [problem] = problem_lines(result.stdout)
+    assert problem.startswith(f"{line}: ssh refused the login: ") and problem.endswith(fix), problem
+
+
 @pytest.mark.parametrize("network", [{"routed": "eth0"}, {"ipv6": True}], ids=["routed", "ipv6"])
 def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(tmp_path, network):
     """On a routed network (a /32 per host), and with hosts reached over IPv6: harder than
