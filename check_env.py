@@ -998,9 +998,12 @@ def explain_node_failure(hosts, failed, outputs, endpoint):
         why = f"not every node joined the rendezvous at {endpoint} within {RDZV_JOIN_TIMEOUT_S} s"
     else:
         why = "the all-reduce failed"
-    # The exception lines say what happened; torchrun's tracebacks around them do not.
-    exceptions = [line for line in output.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
-    details = "\n".join(exceptions[-3:]) or tail(output)
+    # The exception lines say what happened; torchrun's tracebacks around them do not. A
+    # worker killed by a signal raises nothing: torchrun's report says which signal.
+    said = [line.strip() for line in output.splitlines()
+            if re.match(r"[\w.]+(Error|Exception): \S|\s+(exitcode|traceback) +: Signal|\s+exitcode +: ",
+                        line)]
+    details = "\n".join(said[-3:]) or tail(output)
     return f"{hosts[failed].entry}: {why}\n{details}"
 
 

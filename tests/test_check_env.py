@@ -686,3 +686,26 @@ def test_allreduce_says_so_when_check_env_is_not_on_every_host(monkeypatch, tmp_
         "must be at that path on every host (a shared filesystem or the same image); it is not on: localhost" in message
     )
     assert str(absent) in message
+
+
+def test_a_worker_killed_in_the_allreduce_is_explained_by_its_signal():
+    # The end of torchrun's output where a worker got a SIGKILL: its exception has no text.
+    output = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+check_env.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-05_19:40:02
+  host      : node2
+  rank      : 1 (local_rank: 0)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================
+"""
+    hosts = [check_env.Host(name, None, name, None, False) for name in ("node1", "node2")]
+    assert check_env.explain_node_failure(hosts, 1, ["", output], "10.0.0.1:29500") == (
+        "node2: the all-reduce failed\n"
+        "exitcode  : -9 (pid: 4242)\n"
+        "traceback : Signal 9 (SIGKILL) received by PID 4242")
