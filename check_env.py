@@ -1001,8 +1001,7 @@ def explain_node_failure(hosts, failed, outputs, endpoint):
     # The exception lines say what happened; torchrun's tracebacks around them do not. A
     # worker killed by a signal raises nothing: torchrun's report says which signal.
     said = [line.strip() for line in output.splitlines()
-            if re.match(r"[\w.]+(Error|Exception): \S|\s+(exitcode|traceback) +: Signal|\s+exitcode +: ",
-                        line)]
+            if re.match(r"[\w.]+(Error|Exception): \S|\s+exitcode +: |\s+traceback +: Signal", line)]
     details = "\n".join(said[-3:]) or tail(output)
     return f"{hosts[failed].entry}: {why}\n{details}"
 

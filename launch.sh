@@ -330,9 +330,8 @@ preflight() {
     if [[ -n ${timed_out[i]:-} ]]; then
       reports[i]="no answer within $PREFLIGHT_SECONDS s"
     elif [[ -z $report ]]; then
-      report=$(grep -v '^[[:space:]]*$' "$tmp/preflight.$i" | tail -n 1) || true
+      report=$(last_line "$(<"$tmp/preflight.$i")")
       report=${report#fail: }
-      report=${report%$'\r'} # ssh ends its own lines with \r\n
       reports[i]=${report:-no answer}$(ssh_refusal_fix "$i" "$report")
     else
       read -ra fields <<<"$report"

@@ -174,7 +174,7 @@ check_login() {
   if within_limit "${cmd[@]}" true >/dev/null 2>&1 </dev/null; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
-    reason=$(grep -v '^[[:space:]]*$' <<<"$output" | tail -n 1) || true
+    reason=$(last_line "$output")
     echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")"
   fi
 }

@@ -97,6 +97,14 @@ remote_bash_command() {
   echo "bash -c 'eval \"\$(echo $payload | base64 -d)\"'"
 }
 
+# Prints the last line of $1 that is not blank, without the \r that ssh ends its
+# own lines with.
+last_line() {
+  local line
+  line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
+  echo "${line%$'\r'}"
+}
+
 # For ssh's output $1: where it refused a changed host key, prints what to do,
 # in parentheses (ssh's own command names the known_hosts entry as
 # ~/.ssh/config's HostName, Port and HostKeyAlias make it); else nothing.

@@ -699,8 +699,7 @@ def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, user
     hostfile.write_text(f"{user}node1\n")
     ssh_command = cluster.ssh_command
     if known_hosts:
-        node1, node2 = (cluster.known_hosts.read_text().splitlines()[i].split(" ", 1)
-                        for i in range(2))
+        node1, node2 = (line.split(" ", 1) for line in cluster.known_hosts.read_text().splitlines()[:2])
         lines = {"empty": "", "another host's key": f"{node1[0]} {node2[1]}\n"}
         (tmp_path / "known_hosts").write_text(lines[known_hosts])
         ssh_command += f" -o UserKnownHostsFile={tmp_path / 'known_hosts'}"
