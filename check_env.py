@@ -42,6 +42,7 @@ import platform
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -288,15 +289,27 @@ def format_report(report):
 
 
 def format_table(labels, reports):
-    """Hosts as columns, fields as rows; '*' marks a row whose values differ."""
+    """Hosts as columns and fields as rows, where that fits the terminal (or 160 characters
+    when the output is not one); else hosts grouped by value in each row. '*' marks a row
+    whose values differ."""
     status = [["error: " + r["error"]] if "error" in r else ["ok"] for r in reports]
     rows = [("status", status, False)]
+    reachable = [i for i, r in enumerate(reports) if "error" not in r]
     for label, key, show, marked in ROWS:
         cells = [cell(r, key, show) for r in reports]
-        reachable = [c for c, r in zip(cells, reports) if "error" not in r]
-        rows.append((label, cells, marked and any(c != reachable[0] for c in reachable)))
+        rows.append((label, cells, marked and any(cells[i] != cells[reachable[0]] for i in reachable)))
     label_width = 2 + max(len(label) for label, *_ in rows)
-    widths = [max(len(line) for _, cells, _ in rows for line in cells[i]) for i in range(len(reports))]
+    table = host_columns(labels, rows, label_width)
+    if max(len(line) for line in table) > shutil.get_terminal_size((160, 24)).columns:
+        # The status row names the hosts that failed; the others leave them out.
+        table = value_groups(labels, rows, label_width, reachable or range(len(reports)))
+    if any(differs for *_, differs in rows):
+        table.append("(* = differs between hosts)")
+    return "\n".join(table)
+
+
+def host_columns(labels, rows, label_width):
+    widths = [max(len(line) for _, cells, _ in rows for line in cells[i]) for i in range(len(labels))]
     widths = [max(w, len(label)) for w, label in zip(widths, labels)]
 
     def line(first, columns):
@@ -307,9 +320,31 @@ def format_table(labels, reports):
         for n in range(max(len(c) for c in cells)):
             first = ("* " if differs else "  ") + label if n == 0 else ""
             out.append(line(first, [c[n] if n < len(c) else "" for c in cells]))
-    if any(differs for *_, differs in rows):
-        out.append("(* = differs between hosts)")
-    return "\n".join(out)
+    return out
+
+
+def value_groups(labels, rows, label_width, shown):
+    """Each row's value once, where the hosts agree; else each value after the hosts that
+    have it, the most common one last as 'the other N'."""
+    out = [f"{len(labels)} hosts: {', '.join(labels)}", ""]
+    for label, cells, differs in rows:
+        hosts_by_value = {}
+        for i in range(len(labels)) if label == "status" else shown:
+            hosts_by_value.setdefault(tuple(cells[i]), []).append(labels[i])
+        lines = []
+        if len(hosts_by_value) == 1:
+            lines = list(next(iter(hosts_by_value)))
+        else:
+            common = max(hosts_by_value, key=lambda value: len(hosts_by_value[value]))
+            if len(hosts_by_value[common]) == 1:
+                common = None  # every host its own value: name each
+            for value, hosts in sorted(hosts_by_value.items(), key=lambda item: item[0] == common):
+                who = f"the other {len(hosts)}" if value == common else ", ".join(hosts)
+                first, *more = value or ("",)
+                lines += [f"{who}: {first}"] + [f"  {line}" for line in more]
+        first = ("* " if differs else "  ") + label
+        out += [f"{first if n == 0 else '':<{label_width}}  {text}" for n, text in enumerate(lines)]
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -1112,4 +1147,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `| head` has read what it wanted: stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # else Python's flush at exit raises it again
+        sys.exit(1)

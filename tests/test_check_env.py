@@ -2,6 +2,7 @@
 comparison logic on synthetic reports, hosts-file validation, the SSH
 command line, node clean-up, and a real all-reduce on this machine."""
 
+import contextlib
 import copy
 import json
 import os
@@ -120,6 +121,21 @@ def test_ipv6_addresses_are_read_from_proc_without_link_local_ones():
                 "fd000007000000000000000000000002 04 40 00 80     eth0\n")
     assert check_env.ipv6_addresses(if_inet6) == [
         {"name": "lo", "address": "::1/128"}, {"name": "eth0", "address": "fd00:7::2/64"}]
+
+
+def test_output_into_a_closed_pipe_stops_without_a_traceback():
+    """As in `check_env.py | head -1`, once head has exited."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen([sys.executable, REPO / "check_env.py"], stdout=write_end, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **HIDDEN_GPUS})
+    os.close(write_end)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, err) == (1, "")
 
 
 def test_help_explains_the_options():
@@ -413,6 +429,7 @@ def test_matching_hosts_exit_0(monkeypatch, capsys, tmp_path):
 
 
 def test_mismatch_exits_1_with_one_line_per_problem_and_marks_the_table(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough for hosts as columns
     reports = three_hosts(b=host_report("b", "10.0.0.2/24", torch="2.13.0"), c=without_torch("c", "10.0.0.3/24"))
     status, out = check_hosts_with(monkeypatch, capsys, tmp_path, reports)
     assert status == 1
@@ -422,6 +439,28 @@ def test_mismatch_exits_1_with_one_line_per_problem_and_marks_the_table(monkeypa
     assert header == ["a", "b", "c"]
     assert any(line.startswith("* torch ") for line in table)
     assert any(line.startswith("  hostname ") for line in table)  # differs by nature: not marked
+
+
+def test_table_too_wide_for_the_terminal_groups_hosts_by_value(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    labels = [f"node{i}" for i in range(6)]
+    reports = [host_report(label, f"10.0.0.{i}/24") for i, label in enumerate(labels)]
+    reports[2]["torch"] = reports[4]["torch"] = "2.13.0"
+    reports[3]["env"] = {"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0"}
+    reports[5] = {"error": "unreachable: ssh: connect to host node5 port 22: timed out"}
+    table = check_env.format_table(labels, reports).splitlines()
+    assert max(len(line) for line in table) <= 100
+    assert table[0] == "6 hosts: node0, node1, node2, node3, node4, node5"
+    assert table.index("* torch         node2, node4: 2.13.0") + 1 == table.index(
+        "                the other 3: 2.14.1+cu130")
+    assert "  python        3.11.7" in table  # the same everywhere: said once
+    assert "  status        node5: error: unreachable: ssh: connect to host node5 port 22: timed out" in table
+    assert "                the other 5: ok" in table
+    env_row = table.index("* env           node3: NCCL_DEBUG=INFO")
+    assert table[env_row + 1:env_row + 3] == [
+        "                  GLOO_SOCKET_IFNAME=eth0", "                the other 4: (none set)"]
+    hostname_row = table.index("  hostname      node0: node0")  # each its own: every host named
+    assert table[hostname_row + 4] == "                node4: node4"
 
 
 def test_json_output_has_reports_and_problems(monkeypatch, capsys, tmp_path):

@@ -95,7 +95,9 @@ def test_host_whose_shell_finds_another_python_is_a_problem(cluster, tmp_path):
         pytest.skip(f"{SYSTEM_PYTHON} has torch, so it cannot play the host without torch")
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
     with shell_path(cluster, tmp_path, ["node1", "node3"]) as python3:
-        result = run_check_env(["--hosts", str(hostfile), "--python", "python3"], timeout=120, env=cluster.env())
+        # Hosts as columns, however wide the paths make them.
+        result = run_check_env(["--hosts", str(hostfile), "--python", "python3"], timeout=120,
+                               env=cluster.env(COLUMNS="1000"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert problem_lines(result.stdout) == [
         f"node2: torch does not import: ModuleNotFoundError: No module named 'torch' (interpreter {SYSTEM_PYTHON})"
