@@ -49,7 +49,7 @@ import struct
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +57,7 @@ from pathlib import Path
 STARTED = time.time()  # this host's clock as the report began: see fetch_report
 CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
 REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
+PATIENCE_S = 10  # then check_env.py names the hosts it is still waiting for
 
 # All-reduce benchmark. Every wait is bounded so that a node that cannot reach
 # the others ends the run with a message instead of hanging it.
@@ -754,9 +755,17 @@ def fetch_reports(hosts, python):
 
 
 def on_every_host(hosts, function):
-    """[function(host) for host in hosts], run in parallel: one slow host must not add up."""
+    """[function(host) for host in hosts], run in parallel: one slow host must not add up.
+    A host still at it after PATIENCE_S is named, so that a wait of up to REPORT_TIMEOUT_S
+    does not look like a hang."""
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return list(pool.map(function, hosts))
+        futures = [pool.submit(function, host) for host in hosts]
+        _, pending = wait(futures, timeout=PATIENCE_S)
+        if pending:
+            late = ", ".join(host.entry for host, future in zip(hosts, futures) if future in pending)
+            print(f"check_env.py: still waiting for {late} after {PATIENCE_S} s (giving up at "
+                  f"{REPORT_TIMEOUT_S} s)", file=sys.stderr, flush=True)
+        return [future.result() for future in futures]
 
 
 # --------------------------------------------------------------------------

@@ -513,6 +513,15 @@ def test_bad_hosts_file_is_one_line_and_exit_2_before_anything_runs(monkeypatch,
     assert message in err and err.count("\n") == 1
 
 
+def test_hosts_that_keep_it_waiting_are_named(monkeypatch, capsys):
+    monkeypatch.setattr(check_env, "PATIENCE_S", 0.2)
+    hosts = [check_env.Host(name, None, name, None, False) for name in ("a", "b", "c")]
+    slow = {"b", "c"}
+    results = check_env.on_every_host(hosts, lambda host: time.sleep(1 if host.entry in slow else 0) or host.entry)
+    assert results == ["a", "b", "c"]
+    assert capsys.readouterr().err == "check_env.py: still waiting for b, c after 0.2 s (giving up at 90 s)\n"
+
+
 def test_missing_or_undecodable_hosts_file_is_exit_2(capsys, tmp_path):
     assert check_env.main(["--hosts", str(tmp_path / "nope.txt")]) == 2
     assert "cannot read hosts file" in capsys.readouterr().err
