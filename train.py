@@ -289,15 +289,6 @@ def broadcast_buffers_from_rank0(model):
             dist.broadcast(buffer, src=0)
 
 
-def gather_to_rank0(obj):
-    """Every rank's obj as a list on rank 0, and None elsewhere."""
-    if not distributed():
-        return [obj]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
 def all_gather(obj):
     """Every rank's obj as a list, in rank order, on every rank."""
     if not distributed():
@@ -640,7 +631,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
     """Global rank 0 writes `path` atomically. Every rank must call this: RNG states are
     gathered from all, and a save that fails stops them all."""
     # Fix: the pattern saved nothing, so a crash lost the whole run.
-    rng_states = gather_to_rank0(rng_state(device))
+    rng_states = all_gather(rng_state(device))
     error = None
     if rank == 0:
         state = {
@@ -705,7 +696,7 @@ def checkpoint_step(path):
     return step if isinstance(step, int) else None
 
 
-def load_checkpoint(path, args, data_id, rank, world_size):
+def load_checkpoint(path, args, data_id, optimizer, rank, world_size):
     """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
     shared filesystem have no last.pt of their own and must still resume with rank 0."""
     # Without a shared filesystem, only the node of the last run's rank 0 holds last.pt, or
@@ -728,7 +719,7 @@ def load_checkpoint(path, args, data_id, rank, world_size):
     elif rank == 0 and exists0:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
-            problem = why_not_resumable(checkpoint, args, data_id, world_size)
+            problem = why_not_resumable(checkpoint, args, data_id, optimizer, world_size)
         except Exception as e:  # truncated, corrupt, malformed: never start over silently
             error = (f"checkpoint {path} is unreadable ({describe(e)}); "
                      "move it away to start over, or restore a good copy")
@@ -738,7 +729,7 @@ def load_checkpoint(path, args, data_id, rank, world_size):
     return broadcast_from_rank0(checkpoint)
 
 
-def why_not_resumable(checkpoint, args, data_id, world_size):
+def why_not_resumable(checkpoint, args, data_id, optimizer, world_size):
     """Why this run cannot go on from `checkpoint`, or None. It may split the global batch
     into another world size, batch size and accumulation: each rank's shard is every
     world_size-th sample of one shuffled order (DistributedSampler's, padded to a multiple of
@@ -757,6 +748,7 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
     their_data = checkpoint.get("data", "(absent)")  # (absent): written before train.py kept it
     if their_data != data_id:
         mismatched.append(f"data {their_data} (now {data_id})")
+    mismatched += changed_optimizer_settings(checkpoint["optimizer"], optimizer)
     if mismatched:
         return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
                 "same settings: use them, or another --checkpoint-dir")
@@ -773,6 +765,19 @@ def why_not_resumable(checkpoint, args, data_id, world_size):
                 f"({describe_split(my_split)}): resume needs the same global batch ({hint}), "
                 "or use another --checkpoint-dir")
     return None
+
+
+def changed_optimizer_settings(saved, optimizer):
+    """The optimizer's settings in the code (momentum, weight decay ...) that differ from
+    the checkpoint's, which load_state_dict would put back without a word. The learning
+    rate is --lr's, checked with the arguments (and a scheduler of yours moves it)."""
+    changed = []
+    for then, now in zip(saved["param_groups"], optimizer.param_groups):
+        for key in sorted(optimizer.defaults.keys() - {"lr"}):
+            was = then.get(key, "(absent)")
+            if was != now[key]:
+                changed.append(f"optimizer {key} {was} (now {now[key]})")
+    return list(dict.fromkeys(changed))  # once, however many parameter groups
 
 
 def batch_split(world_size, args):
@@ -842,6 +847,7 @@ def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args,
                 scaler.scale(loss * (len(idx) / len(step_indices))).backward()
             loss_sum += loss.detach() * len(idx)  # no .item(): the loop does not wait for the GPU
             samples += len(idx)
+        # To clip gradients, clip them here, after scaler.unscale_(optimizer).
         scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (which waits)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -899,9 +905,9 @@ def format_seconds(seconds):
 
 
 def train(args, rank, local_rank, world_size, device):
-    # Fix: the pattern seeded nothing. Adding the rank keeps dropout masks and the like
-    # independent across ranks; DDP copies rank 0's initial weights to every rank.
-    torch.manual_seed(args.seed + rank)
+    # Fix: the pattern seeded nothing. One seed on every rank while building what all ranks
+    # must share (a random split of your data, say); then one per rank, below.
+    torch.manual_seed(args.seed)
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
@@ -924,6 +930,9 @@ def train(args, rank, local_rank, world_size, device):
     # Fix: the pattern built the deprecated torch.cuda.amp.GradScaler and never used it,
     # so it trained in plain fp32. fp16 needs the scaler; bf16 and fp32 pass through it.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    # Adding the rank keeps dropout masks and the like independent across ranks (DDP gives
+    # every rank rank 0's initial weights).
+    torch.manual_seed(args.seed + rank)
 
     per_step = args.batch_size * args.accum_steps  # samples per rank per optimizer step
     samples_per_rank = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))
@@ -934,7 +943,8 @@ def train(args, rank, local_rank, world_size, device):
         total_steps = min(total_steps, args.max_steps)
 
     step = 0
-    checkpoint = load_checkpoint(ckpt_path, args, data_id, rank, world_size) if ckpt_path else None
+    checkpoint = (load_checkpoint(ckpt_path, args, data_id, optimizer, rank, world_size)
+                  if ckpt_path else None)
     if checkpoint is not None:
         step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, args, device, rank,
                            world_size)

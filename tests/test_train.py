@@ -244,6 +244,12 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     torch.save(older, ckpt_dir / "last.pt")  # as if --lr were new: guarded, not ignored
     code, _, err = main_in_process(capfd, *args)
     assert code == 1 and "written by a run with --lr (absent) (now 0.01)" in err, err
+    # As if the code's momentum had changed since: load_state_dict would restore the old one.
+    groups = [{**group, "momentum": 0.5} for group in good["optimizer"]["param_groups"]]
+    torch.save({**good, "optimizer": {**good["optimizer"], "param_groups": groups}},
+               ckpt_dir / "last.pt")
+    code, _, err = main_in_process(capfd, *args)
+    assert code == 1 and "written by a run with optimizer momentum 0.5 (now 0.9); " in err, err
     other_model = {**good, "model": {**good["model"], "fc.bias": torch.zeros(11)}}
     torch.save(other_model, ckpt_dir / "last.pt")
     code, _, err = main_in_process(capfd, *args)
@@ -258,7 +264,8 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, scaler, 0, 2, namespace,
                           "the data", torch.device("cpu"), 0)
-    checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, "the data", 0, 1)
+    checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, "the data",
+                                       optimizer, 0, 1)
     assert checkpoint["step"] == 2 and checkpoint["args"]["out_dir"] == str(tmp_path)
 
 
@@ -480,6 +487,18 @@ def test_mnist_unreadable_on_one_rank_only_stops_every_rank(mnist_dir, tmp_path)
 def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change, message):
     result = torchrun_where_rank1_reads_otherwise(tmp_path, mnist_dir, change)
     assert result.stderr.count("differs from rank 0's") == 1 and message in result.stderr
+
+
+def test_a_random_split_of_the_data_is_the_same_on_every_rank(mnist_dir, tmp_path):
+    # A user's build_data that shuffles with torch's generator, as a train/val split does.
+    script = patched_train(tmp_path, """build_data = train.build_data
+def build_shuffled_data(*args):
+    train_x, train_y, test_x, test_y = build_data(*args)
+    order = train.torch.randperm(len(train_x))
+    return train_x[order], train_y[order], test_x, test_y
+train.build_data = build_shuffled_data""")
+    result = torchrun(2, *TINY, "--data", mnist_dir, "--max-steps", "2", script=script, timeout=60)
+    assert_ok(result)
 
 
 def test_other_arguments_on_one_rank_stop_every_rank(tmp_path):
