@@ -351,10 +351,12 @@ def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
 
 def patched_train(tmp_path, patch):
     """A script that runs `patch`, lines of Python with os and train imported, and argv the
-    arguments for train.main, then train.main."""
+    arguments for train.main, then train.main, and ends as train.py does (os._exit, past
+    the C++ teardown that sometimes aborts with gloo)."""
     script = tmp_path / "patched_train.py"
     script.write_text(f"import os, sys\nsys.path.insert(0, {str(REPO)!r})\nimport train\n"
-                      f"argv = sys.argv[1:]\n{patch}\ntrain.main(argv)\n")
+                      f"argv = sys.argv[1:]\n{patch}\ntrain.main(argv)\n"
+                      "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
     return script
 
 
