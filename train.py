@@ -803,16 +803,20 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
     their_split = batch_split(checkpoint["world_size"], checkpoint["args"])
     my_split = batch_split(world_size, vars(args))
     saved_rng = checkpoint["rng"][rank] if their_split[0] == world_size else None
-    if saved_rng is not None and (saved_rng["cuda"] is None) == (device.type != "cuda"):
+    other_device = saved_rng is not None and (saved_rng["cuda"] is None) != (device.type != "cuda")
+    if saved_rng is not None and not other_device:
         set_rng_state(saved_rng, device)
     else:  # no rank of the checkpoint's is this one, or it drew on another kind of device:
         # a stream per rank and step, so that dropout does not repeat the first steps' masks
         torch.manual_seed(args.seed + rank + (checkpoint["step"] << 32))
     if rank == 0:
-        how = "" if my_split == their_split else (
-            f", as {describe_split(my_split)} instead of {describe_split(their_split)}: the "
-            "same global batches in the same order (but for the padding of each epoch's last), "
-            "not bitwise the same run")
+        how = ""
+        if my_split != their_split:
+            how = (f", as {describe_split(my_split)} instead of {describe_split(their_split)}: "
+                   "the same global batches in the same order (but for the padding of each "
+                   "epoch's last), not bitwise the same run")
+        elif other_device:
+            how = ", with new random states: the checkpoint's are of another kind of device"
         log(f"resumed from {path} at step {checkpoint['step']}{how}")
     return checkpoint["step"]
 

@@ -181,10 +181,12 @@ def test_resume_on_another_kind_of_device_draws_a_new_random_stream(mnist_dir, t
     checkpoint["rng"][0]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as a GPU run's
     (tmp_path / "gpu").mkdir()
     torch.save(checkpoint, tmp_path / "gpu" / "last.pt")
-    for written_on, stream in [("cpu", checkpoint["rng"][0]["cpu"]),  # restored
-                               ("gpu", reseeded_state(2))]:
-        assert_ok(run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / written_on,
-                       "--max-steps", "4"]))
+    for written_on, stream, said in [("cpu", checkpoint["rng"][0]["cpu"], "step 2\n"),  # restored
+                                     ("gpu", reseeded_state(2), "step 2, with new random states")]:
+        resumed = run([sys.executable, TRAIN, *args, "--checkpoint-dir", tmp_path / written_on,
+                       "--max-steps", "4"])
+        assert_ok(resumed)
+        assert f"resumed from {tmp_path / written_on / 'last.pt'} at {said}" in resumed.stdout
         assert torch.equal(load(tmp_path / written_on / "last.pt")["rng"][0]["cpu"], stream)
 
 
