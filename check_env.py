@@ -594,7 +594,10 @@ def read_hosts(path):
             continue
         match = HOST_RE.fullmatch(entry)
         if match is None or (match["port"] and not 0 < int(match["port"]) < 65536):
-            raise UsageError(f"{path}:{number}: invalid host {entry!r}; expected [user@]host[:port]")
+            hint = ""
+            if re.search(r"\sslots=", entry):
+                hint = " (DeepSpeed's and MPI's slots=N has no place here: --nproc applies to every host)"
+            raise UsageError(f"{path}:{number}: invalid host {entry!r}; expected [user@]host[:port]{hint}")
         # A user or port says "go through ssh", e.g. to a container's sshd on this machine.
         name = match["name"].lower()  # hostnames ignore case
         is_local = (name in local_names or name.startswith("127.")) and not match["user"] and not match["port"]

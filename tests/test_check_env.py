@@ -498,6 +498,7 @@ def test_read_hosts_accepts_the_documented_format(tmp_path):
         ("`id`\n", "invalid host '`id`'"),
         ("-oProxyCommand=sh\n", "invalid host '-oProxyCommand=sh'"),
         ("node1:99999\n", "invalid host 'node1:99999'"),
+        ("node1 slots=8\n", "[user@]host[:port] (DeepSpeed's and MPI's slots=N has no place here: --nproc"),
         ("node1\nNODE1\n", "duplicate host 'NODE1' (also on line 1)"),
         ("localhost\n127.0.0.1\n", "duplicate host '127.0.0.1' (this machine, also on line 1)"),
         ("localhost\nLOCALHOST\n", "duplicate host 'LOCALHOST' (this machine, also on line 1)"),
