@@ -6,16 +6,18 @@
 # HOSTFILE (the format of launch.sh: [user@]host[:port] per line, '#'
 # comments). localhost and this machine's own name or addresses are skipped.
 #
-# 1. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if it is
-#    missing; an existing key is never overwritten.
-# 2. Adds its public key to ~/.ssh/authorized_keys on every host where it is
-#    not there yet, under any comment (~/.ssh 700, the file 600). Only a host
+# 1. Leaves alone each host where BatchMode login works already, with the
+#    keys ssh offers by itself (the id_rsa a cluster made at first login, say).
+# 2. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if a host
+#    needs it and it is missing; an existing key is never overwritten.
+# 3. Adds its public key to ~/.ssh/authorized_keys on the other hosts where it
+#    is not there yet, under any comment (~/.ssh 700, the file 600). Only a host
 #    that refuses the key is asked for a password: it comes from $SSHPASS
 #    through `sshpass -e` when both are there, or is asked once per host.
 #    New host keys are recorded with StrictHostKeyChecking=accept-new; a
 #    changed host key stops that host. A key with a passphrase must be in
 #    ssh-agent first (ssh-add), as launch.sh's BatchMode logins need it there.
-# 3. Prints a table of whether BatchMode login works on each host, and exits 1
+# 4. Prints a table of whether BatchMode login works on each host, and exits 1
 #    if it does not on any. A host that does not answer within 30 s (a login
 #    that hangs) fails.
 #
@@ -122,11 +124,36 @@ within_limit() {
   fi
 }
 
-# Adds the key on host number $1 with the key itself, or else, where the host
-# refuses it, with a password. Any other failure (no route, a changed host
-# key) is left for the table to report.
+# Runs `true` in BatchMode on host number $1, with the extra ssh options
+# "${@:2}", and sets login_output to what ssh said. Returns ssh's status, or
+# 124 where the host did not answer in time.
+try_login() {
+  ssh_for "$@" -o BatchMode=yes
+  login_output=$(within_limit "${cmd[@]}" true 2>&1 </dev/null)
+}
+
+# Creates or reads the key, once, when the first host needs it.
+prepare_key() {
+  [[ -z ${public_key:-} ]] || return 0
+  create_key
+  read_public_key
+  check_key_usable_without_prompt
+}
+
+# Unless BatchMode login to host number $1 works already, adds the key there
+# with the key itself, or else, where the host refuses it, with a password.
+# Any other failure (no route, a changed host key) is left for the table to
+# report.
 install_key() {
-  local i=$1 install error status=0
+  local i=$1 install error status=0 login_output
+  try_login "$i" || status=$?
+  if ((status == 0 || status == 124)); then # 124: the table says so
+    return "$status"
+  elif [[ $login_output != *"Permission denied"* ]]; then
+    return 1
+  fi
+  prepare_key
+  status=0
   install=$(remote_bash_command "$INSTALL_KEY")
   # IdentitiesOnly: an agent's keys, offered first, would use up the host's
   # MaxAuthTries (6) before this one.
@@ -160,9 +187,8 @@ no_answer() {
 # Prints "ok" or why BatchMode login to host number $1 fails, as launch.sh
 # will log in: with the keys ssh offers by itself.
 check_login() {
-  local i=$1 output reason status=0
-  ssh_for "$i" -o BatchMode=yes
-  output=$(within_limit "${cmd[@]}" true 2>&1 </dev/null) || status=$?
+  local i=$1 output reason status=0 login_output
+  try_login "$i" || status=$?
   if ((status == 0)); then
     echo ok
     return
@@ -170,8 +196,8 @@ check_login() {
     no_answer
     return
   fi
-  ssh_for "$i" -i "$key" -o BatchMode=yes
-  if within_limit "${cmd[@]}" true >/dev/null 2>&1 </dev/null; then
+  output=$login_output
+  if try_login "$i" -i "$key"; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
     reason=$(last_line "$output")
@@ -182,7 +208,7 @@ check_login() {
 main() {
   require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
-  local ssh_command=() cmd=() public_key
+  local ssh_command=() cmd=() public_key=
   local i width=4 result status failed=0 timed_out=()
   while (($#)); do
     case $1 in
@@ -200,9 +226,6 @@ main() {
     return 0
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
-  create_key
-  read_public_key
-  check_key_usable_without_prompt
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
       "refuses the key asks for its password, and without a terminal fails" >&2

@@ -82,6 +82,30 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     assert state(cluster, key) == before
 
 
+def test_a_host_where_login_works_already_is_left_alone(cluster, tmp_path):
+    """As on a cluster that made ~/.ssh/id_rsa at first login: no new key, no password."""
+    works, needs_key = cluster.hosts
+    authorized = cluster.host(works).dir / "home/.ssh/authorized_keys"
+    authorized.parent.mkdir(mode=0o700, exist_ok=True)
+    authorized.write_text(Path(f"{cluster.key}.pub").read_text())  # the key ssh offers
+    key = tmp_path / "id_ed25519"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{works}\n")
+    before = authorized.read_bytes(), authorized.stat().st_mtime_ns
+    try:
+        result = setup_ssh(cluster, "--key", key, hostfile)  # no SSHPASS: a password would fail
+        assert result.returncode == 0 and result.stderr == "", result.stdout + result.stderr
+        assert re.search(rf"^{works} +ok$", result.stdout, re.M), result.stdout
+        assert (authorized.read_bytes(), authorized.stat().st_mtime_ns) == before
+        assert not key.exists()
+        hostfile.write_text(f"{works}\n{needs_key}\n")  # the key is made once a host needs it
+        result = setup_ssh(cluster, "--key", key, hostfile)
+        assert result.returncode == 1 and key.exists()
+        assert re.search(rf"^{needs_key} +FAILED: .*Permission denied", result.stdout, re.M), result.stdout
+    finally:
+        authorized.unlink()  # the other tests' hosts start with password login only
+
+
 def test_key_goes_on_a_line_of_its_own(cluster, tmp_path):
     require_sshpass()
     key = tmp_path / "id_ed25519"
