@@ -110,6 +110,15 @@ readonly POLL_SECONDS=0.2 POLLS_PER_SECOND=5
 # argument of its login shell's -c, which Linux caps at 128 KiB.
 readonly MAX_ARGS_BYTES=65536
 
+# Prints $1 with a leading ~ made this user's home: the shell expands the ~ of
+# --workdir ~/x, not that of --workdir=~/x.
+expand_tilde() {
+  case $1 in
+    \~ | \~/*) printf '%s\n' "$HOME${1#\~}" ;;
+    *) printf '%s\n' "$1" ;;
+  esac
+}
+
 usage() {
   sed -n '3,/^$/s/^# \{0,1\}//p' "$0"
 }
@@ -664,7 +673,7 @@ main() {
       --log-dir) log_dir=${2-} ;;
       --dry-run) dry_run=yes; shift; continue ;;
       -h=* | --help=* | --dry-run=*) die "${1%%=*} takes no value" ;;
-      --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
+      --*=*) set -- "${1%%=*}" "$(expand_tilde "${1#*=}")" "${@:2}"; continue ;;
       -*) die "unknown option: $1 (see --help)" ;;
       *) break ;;
     esac

@@ -546,6 +546,18 @@ def test_a_pyenv_shim_is_resolved_to_the_torchrun_it_stands_for(tmp_path, start)
     assert f"&& '{real}' '--nnodes=1'" in launch.out, launch.out
 
 
+def test_a_tilde_after_an_options_equals_sign_is_the_home_directory(tmp_path, start):
+    """The shell expands --workdir ~/x, but not --workdir=~/x."""
+    (tmp_path / "x").mkdir()
+    shutil.copy(REPO / "train.py", tmp_path / "x")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = run_launch(start, ["--dry-run", "--workdir=~/x", hostfile, "1", *TRAIN],
+                        launch_env(HOME=str(tmp_path)), timeout=30)
+    assert launch.proc.returncode == 0, launch.err
+    assert f"cd '{tmp_path / 'x'}' && " in launch.out, launch.out
+
+
 @pytest.mark.parametrize("first_line, problem", [
     (f"#!{sys.executable}", None),  # pip's torchrun, with no python beside it
     ("#!/bin/sh", "no Python 3 for launch.sh's probes: none beside {torchrun} or on its #! line, "
