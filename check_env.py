@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import re
+import resource
 import secrets
 import shlex
 import shutil
@@ -104,6 +105,8 @@ def gather_report():
         **torch_facts(why_missing),
         "driver": nvidia_driver_version(why_missing),
         "interfaces": interface_addresses(why_missing),
+        "rdma_devices": rdma_devices(),
+        "locked_memory": locked_memory_limit(),
         "env": {k: v for k, v in sorted(os.environ.items()) if SHOWN_ENV.fullmatch(k)},
         # "client-address client-port server-address server-port" when run over SSH: the
         # server address is where this host was reached, and where the job will reach it.
@@ -186,6 +189,20 @@ def nvidia_driver_version(why_missing):
     return match.group(1)
 
 
+def rdma_devices():
+    """InfiniBand and RoCE devices (mlx5_0 ...), which NCCL prefers to sockets."""
+    with contextlib.suppress(OSError):
+        return sorted(os.listdir("/sys/class/infiniband"))
+    return []
+
+
+def locked_memory_limit():
+    """ulimit -l in bytes, or "unlimited": what RDMA may pin. Over SSH it comes from sshd's
+    limits, which need not be the ones a scheduler's jobs get."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else soft
+
+
 def interface_addresses(why_missing):
     """[{"name": "eth0", "address": "10.0.0.5/24"}, ...], IPv4 then IPv6, with the prefix:
     shown in the report, and where GLOO_SOCKET_IFNAME comes from.
@@ -241,6 +258,13 @@ def show_gpus(report):
     return [f"{len(gpus)}"] + [f"{g['name']}, {g['memory_gib']} GiB, cc {g['capability']}" for g in gpus]
 
 
+def show_rdma(report):
+    if not report["rdma_devices"]:
+        return "none"
+    limit = report["locked_memory"]
+    return f"{', '.join(report['rdma_devices'])}; ulimit -l {limit if limit == 'unlimited' else size_text(limit)}"
+
+
 def show_backends(report):
     available = [name for name in ("gloo", "nccl") if report.get(f"{name}_available")]
     return ", ".join(available) if available else None
@@ -262,6 +286,7 @@ ROWS = [
     ("GPUs", "gpus", show_gpus, True),
     ("driver", "driver", None, True),
     ("interfaces", "interfaces", lambda r: [f"{i['name']} {i['address']}" for i in r["interfaces"]], False),
+    ("RDMA", "rdma_devices", show_rdma, True),
     ("env", "env", lambda r: [f"{k}={v}" for k, v in r["env"].items()] or ["(none set)"], True),
 ]
 
@@ -421,6 +446,7 @@ def find_problems(labels, reports, nproc=None):
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
+            problems += locked_memory_problem(label, report)
             if label != ref_label:
                 problems += differences(label, report, ref_label, ref)
     return problems + clock_problems(usable)
@@ -459,6 +485,19 @@ def gpu_shortage(label, report, nproc, uses_gpus):
     if nproc is None:
         return [f"{label}: no GPU visible, but other hosts have GPUs (nccl and gloo do not mix)"]
     return [f"{label}: --nproc {nproc} but only {count} GPU(s) visible"]
+
+
+def locked_memory_problem(label, report):
+    """RDMA pins the memory it sends from, up to ulimit -l: NCCL over InfiniBand or RoCE
+    needs it unlimited, as the RDMA stacks' own guides set it."""
+    limit = report["locked_memory"]
+    if not (report["gpus"] and report["rdma_devices"]) or limit == "unlimited":
+        return []
+    if report["env"].get("NCCL_IB_DISABLE") == "1":
+        return []
+    return [f"{label}: ulimit -l is {size_text(limit)} where RDMA ({', '.join(report['rdma_devices'])}) "
+            "needs pinned memory: NCCL over InfiniBand can fail to register its buffers; set memlock "
+            "unlimited in /etc/security/limits.d/ (or NCCL_IB_DISABLE=1 for sockets)"]
 
 
 def differences(label, report, ref_label, ref):

@@ -396,7 +396,7 @@ set_node_args() {
 print_dry_run() {
   local i how rendezvous names=()
   for i in "${!env_entries[@]}"; do names+=("${env_entries[i]%%=*}"); done
-  echo "environment on every host: ${names[*]}"
+  echo "environment sent to each remote host (a local one has all of this shell's): ${names[*]}"
   for i in "${!labels[@]}"; do
     set_node_args "$i"
     how="ssh ${ports[i]:+-p ${ports[i]} }${destinations[i]}"

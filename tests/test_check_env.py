@@ -32,7 +32,8 @@ def run_check_env(args, timeout, env=None):
 REPORT_FIELDS = {
     "hostname", "os", "python", "python_executable", "torch", "torchvision",
     "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available",
-    "gpus", "driver", "interfaces", "env", "ssh_connection", "clock", "why_missing",
+    "gpus", "driver", "interfaces", "rdma_devices", "locked_memory", "env", "ssh_connection", "clock",
+    "why_missing",
 }  # fmt: skip
 
 
@@ -169,6 +170,8 @@ BASE = {
     "gpus": [],
     "driver": None,
     "interfaces": [{"name": "lo", "address": "127.0.0.1/8"}, {"name": "eth0", "address": "10.0.0.1/24"}],
+    "rdma_devices": [],
+    "locked_memory": "unlimited",
     "env": {},
     "clock": [1796400000.0, 1796400001.5],
     "clock_offset": [-0.2, 0.1],  # from this machine's, as fetch_report finds it
@@ -257,6 +260,15 @@ def three_hosts(b=None, c=None):
             4,
             ["b: --nproc 4 but only 2 GPU(s) visible"],
         ),
+        (  # sshd's limits, where a scheduler's jobs get unlimited: only where NCCL would use RDMA
+            [host_report(n, f"10.0.0.{i}/24", gpus=gpus(1), rdma_devices=["mlx5_0"], locked_memory=limit, env=env)
+             for i, (n, limit, env) in enumerate([("a", 8 * 2**20, {}), ("b", "unlimited", {}),
+                                                  ("c", 65536, {"NCCL_IB_DISABLE": "1"})], 1)],
+            None,
+            ["a: ulimit -l is 8 MiB where RDMA (mlx5_0) needs pinned memory: NCCL over InfiniBand can fail "
+             "to register its buffers; set memlock unlimited in /etc/security/limits.d/ (or NCCL_IB_DISABLE=1 "
+             "for sockets)"],
+        ),
         (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [1, 1, 0]), 1)],
             None,
@@ -329,6 +341,7 @@ def three_hosts(b=None, c=None):
         "no-torch",
         "unreachable",
         "nproc-gpus",
+        "rdma-locked-memory",
         "gpu-cpu-mix",
         "cpu-nproc",
         "old-torch",
