@@ -574,8 +574,8 @@ def job_addresses(hosts, reports):
             )
         elif address in seen:
             problems.append(
-                f"{host.entry}: reached at {address}, as {seen[address]} is (a container's sshd?): "
-                "every host needs its own address"
+                f"{host.entry}: reached at {address}, as {seen[address]} is (one machine under two names? "
+                "containers behind one address?): every host needs its own address"
             )
         else:
             seen[address] = host.entry

@@ -258,7 +258,8 @@ address_problem() {
     *)
       if [[ -n ${seen[$address]:-} ]]; then
         other=${labels[${seen[$address]}]}
-        echo "reached at $address, as $other is (a container's sshd?): every host needs its own address"
+        echo "reached at $address, as $other is (one machine under two names? containers behind one" \
+          "address?): every host needs its own address"
       fi
       ;;
   esac

@@ -415,7 +415,8 @@ def test_addresses_other_hosts_cannot_use_are_problems():
     _, problems = check_env.job_addresses(hosts("a", "b", "c", "d", "e"), reports)
     assert problems == [
         "b: reached at 127.0.0.1 (a tunnel?): list it by an address the other hosts can reach",
-        "c: reached at 10.0.0.1, as a is (a container's sshd?): every host needs its own address",
+        "c: reached at 10.0.0.1, as a is (one machine under two names? containers behind one address?): "
+        "every host needs its own address",
         "d: its sshd sets no SSH_CONNECTION, so its address is unknown",
     ]
 
