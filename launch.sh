@@ -4,13 +4,28 @@
 #
 # Runs SCRIPT (default: train.py) under torchrun on every host in HOSTFILE,
 # over SSH, with NPROC_PER_NODE processes on each (a number, or torchrun's
-# auto, gpu or cpu), and waits for it. ARGS go to SCRIPT untouched.
+# auto, gpu or cpu), and waits for it. ARGS go to SCRIPT untouched, e.g.
+#   ./launch.sh hosts.txt 4 train.py --epochs 5 --checkpoint-dir checkpoints
 #
 # HOSTFILE has one host per line, [user@]host[:port]; '#' starts a comment.
 # The first host serves the rendezvous, on a free port there. localhost and
 # this machine's own name or addresses (written without user or port) run
 # here without SSH. Node ranks come from torchrun's c10d rendezvous and do
 # not necessarily follow line order.
+#
+# Options, before HOSTFILE (after SCRIPT, they are SCRIPT's):
+#   --max-restarts N  restart the job on all hosts up to N times after a
+#                     worker fails, not a host lost (default: 0)
+#   --torchrun PATH   torchrun to run on every host (default: the one on this
+#                     machine's PATH, at the same absolute path)
+#   --workdir DIR     directory to run in on every host (default: this one;
+#                     a relative DIR is taken from this one)
+#   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
+#                     (no $VAR expansion, no quote removal: it warns of either)
+#   --port PORT       rendezvous port on the first host (default: a free one)
+#   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
+#   --dry-run         check the hosts, print each host's command, start nothing
+#   -h, --help        show this help
 #
 # First every host is checked, the first alone for up to 5 s and then the
 # others in parallel (so that a ControlMaster the first check opens, to a
@@ -26,23 +41,10 @@
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
 #
-# Options:
-#   --max-restarts N  restart the job on all hosts up to N times after a
-#                     worker fails, not a host lost (default: 0)
-#   --torchrun PATH   torchrun to run on every host (default: the one on this
-#                     machine's PATH, at the same absolute path)
-#   --workdir DIR     directory to run in on every host (default: this one;
-#                     a relative DIR is taken from this one)
-#   --env-file FILE   KEY=VALUE lines to set on every host, taken as written
-#                     (no $VAR expansion, no quote removal: it warns of either)
-#   --port PORT       rendezvous port on the first host (default: a free one)
-#   --log-dir DIR     write each host's log to DIR/<job-id>/ (default: logs)
-#   --dry-run         check the hosts, print each host's command, start nothing
-#   -h, --help        show this help
-#
-# Every host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
+# Every remote host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
 # CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
 # --env-file lines, through SSH's standard input: no value shows in `ps`.
+# (A local one runs with all of this environment.)
 # GLOO_SOCKET_IFNAME, unless set there or sent, is the interface of the
 # host's address (none where that is lo: gloo then goes by the host's name).
 #
