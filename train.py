@@ -637,6 +637,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
         state = {
             "model": model.state_dict(),  # unwrapped: no "module." or "_orig_mod." prefixes
             "optimizer": optimizer.state_dict(),
+            "optimizer_defaults": optimizer.defaults,  # the code's settings, for why_not_resumable
             "scaler": scaler.state_dict(),
             "epoch": epoch,  # the epoch in progress (for people; resume goes by step)
             "step": step,  # optimizer steps done in total
@@ -748,7 +749,7 @@ def why_not_resumable(checkpoint, args, data_id, optimizer, world_size):
     their_data = checkpoint.get("data", "(absent)")  # (absent): written before train.py kept it
     if their_data != data_id:
         mismatched.append(f"data {their_data} (now {data_id})")
-    mismatched += changed_optimizer_settings(checkpoint["optimizer"], optimizer)
+    mismatched += changed_optimizer_settings(checkpoint, optimizer)
     if mismatched:
         return (f"was written by a run with {', '.join(mismatched)}; exact resume needs the "
                 "same settings: use them, or another --checkpoint-dir")
@@ -767,17 +768,15 @@ def why_not_resumable(checkpoint, args, data_id, optimizer, world_size):
     return None
 
 
-def changed_optimizer_settings(saved, optimizer):
+def changed_optimizer_settings(checkpoint, optimizer):
     """The optimizer's settings in the code (momentum, weight decay ...) that differ from
-    the checkpoint's, which load_state_dict would put back without a word. The learning
-    rate is --lr's, checked with the arguments (and a scheduler of yours moves it)."""
-    changed = []
-    for then, now in zip(saved["param_groups"], optimizer.param_groups):
-        for key in sorted(optimizer.defaults.keys() - {"lr"}):
-            was = then.get(key, "(absent)")
-            if was != now[key]:
-                changed.append(f"optimizer {key} {was} (now {now[key]})")
-    return list(dict.fromkeys(changed))  # once, however many parameter groups
+    the checkpoint's, which load_state_dict would put back without a word. Its defaults, as
+    the code built it: a scheduler moves the settings of the param groups (OneCycleLR the
+    momentum too), never those. The learning rate is --lr's, checked with the arguments."""
+    theirs = checkpoint.get("optimizer_defaults", {})  # {}: written before train.py kept them
+    return [f"optimizer {key} {theirs.get(key, '(absent)')} (now {value})"
+            for key, value in sorted(optimizer.defaults.items())
+            if key != "lr" and theirs.get(key, "(absent)") != value]
 
 
 def batch_split(world_size, args):

@@ -247,8 +247,12 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     code, _, err = main_in_process(capfd, *args)
     assert code == 1 and "written by a run with --lr (absent) (now 0.01)" in err, err
     # As if the code's momentum had changed since: load_state_dict would restore the old one.
+    # A scheduler's change of the param groups' (OneCycleLR's momentum) is no change of code.
     groups = [{**group, "momentum": 0.5} for group in good["optimizer"]["param_groups"]]
     torch.save({**good, "optimizer": {**good["optimizer"], "param_groups": groups}},
+               ckpt_dir / "last.pt")
+    assert_ok(run([sys.executable, TRAIN, *args]))
+    torch.save({**good, "optimizer_defaults": {**good["optimizer_defaults"], "momentum": 0.5}},
                ckpt_dir / "last.pt")
     code, _, err = main_in_process(capfd, *args)
     assert code == 1 and "written by a run with optimizer momentum 0.5 (now 0.9); " in err, err
