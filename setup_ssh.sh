@@ -9,8 +9,9 @@
 # 1. Leaves alone each host where BatchMode login works already, with the
 #    keys ssh offers by itself (the id_rsa a cluster made at first login, say).
 # 2. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if a host
-#    needs it and it is missing; an existing key is never overwritten.
-# 3. Adds its public key to ~/.ssh/authorized_keys on the other hosts where it
+#    refuses those keys and it is missing; an existing key is never
+#    overwritten.
+# 3. Adds its public key to ~/.ssh/authorized_keys on those hosts where it
 #    is not there yet, under any comment (~/.ssh 700, the file 600). Only a host
 #    that refuses the key is asked for a password: it comes from $SSHPASS
 #    through `sshpass -e` when both are there, or is asked once per host.
@@ -71,16 +72,22 @@ drop_local_hosts() {
   done
 }
 
-create_key() {
+# Dies unless $key is a private key usable in BatchMode, with its public key
+# beside it, or nothing yet; sets public_key where it exists.
+check_key() {
   [[ $key != *.pub ]] || die "--key takes the private key, ${key%.pub}, not $key"
-  if [[ -e $key ]]; then
-    [[ -f $key.pub ]] || die "no $key.pub: --key takes a private key with its public key" \
-      "beside it ('ssh-keygen -y -f $key > $key.pub' writes it)"
-    return 0
-  fi
+  [[ -e $key ]] || return 0
+  [[ -f $key.pub ]] || die "no $key.pub: --key takes a private key with its public key" \
+    "beside it ('ssh-keygen -y -f $key > $key.pub' writes it)"
+  read_public_key
+  check_key_usable_without_prompt
+}
+
+create_key() {
   (umask 077 && mkdir -p "$(dirname -- "$key")")
   ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(uname -n)" -f "$key"
   echo "setup_ssh.sh: created $key" >&2
+  read_public_key
 }
 
 # Sets public_key to the line of $key.pub, without the carriage return or
@@ -132,28 +139,11 @@ try_login() {
   login_output=$(within_limit "${cmd[@]}" true 2>&1 </dev/null)
 }
 
-# Creates or reads the key, once, when the first host needs it.
-prepare_key() {
-  [[ -z ${public_key:-} ]] || return 0
-  create_key
-  read_public_key
-  check_key_usable_without_prompt
-}
-
-# Unless BatchMode login to host number $1 works already, adds the key there
-# with the key itself, or else, where the host refuses it, with a password.
-# Any other failure (no route, a changed host key) is left for the table to
-# report.
+# Adds the key on host number $1 with the key itself, or else, where the host
+# refuses it, with a password. Any other failure (no route, a changed host
+# key) is left for the table to report.
 install_key() {
-  local i=$1 install error status=0 login_output
-  try_login "$i" || status=$?
-  if ((status == 0 || status == 124)); then # 124: the table says so
-    return "$status"
-  elif [[ $login_output != *"Permission denied"* ]]; then
-    return 1
-  fi
-  prepare_key
-  status=0
+  local i=$1 install error status=0
   install=$(remote_bash_command "$INSTALL_KEY")
   # IdentitiesOnly: an agent's keys, offered first, would use up the host's
   # MaxAuthTries (6) before this one.
@@ -209,7 +199,7 @@ main() {
   require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=() public_key=
-  local i width=4 result status failed=0 timed_out=()
+  local i width=4 result status failed=0 timed_out=() needs_key=() login_output
   while (($#)); do
     case $1 in
       -h | --help) usage; exit 0 ;;
@@ -226,16 +216,29 @@ main() {
     return 0
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  check_key
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
       "refuses the key asks for its password, and without a terminal fails" >&2
   fi
 
+  # A host where BatchMode login works already (with a cluster's own id_rsa,
+  # say) is left alone; only the hosts that refuse every key ssh offers need one.
   for i in "${!labels[@]}"; do
+    status=0
+    try_login "$i" || status=$?
+    if ((status == 124)); then timed_out[i]=1; fi
+    if ((status == 255)) && [[ $login_output == *"Permission denied"* ||
+      $login_output == *"Too many authentication failures"* ]]; then
+      needs_key+=("$i")
+    fi
+    ((${#labels[i]} <= width)) || width=${#labels[i]}
+  done
+  if ((${#needs_key[@]})) && [[ -z $public_key ]]; then create_key; fi
+  for i in "${needs_key[@]}"; do
     status=0
     install_key "$i" || status=$? # the table below reports a failure
     if ((status == 124)); then timed_out[i]=1; fi
-    ((${#labels[i]} <= width)) || width=${#labels[i]}
   done
   printf '%-*s  %s\n' "$width" HOST "BATCHMODE LOGIN"
   for i in "${!labels[@]}"; do
