@@ -327,8 +327,7 @@ def format_table(labels, reports):
     label_width = 2 + max(len(label) for label, *_ in rows)
     table = host_columns(labels, rows, label_width)
     if max(len(line) for line in table) > shutil.get_terminal_size((160, 24)).columns:
-        # The status row names the hosts that failed; the others leave them out.
-        table = value_groups(labels, rows, label_width, reachable or range(len(reports)))
+        table = value_groups(labels, rows, label_width, reachable)
     if any(differs for *_, differs in rows):
         table.append("(* = differs between hosts)")
     return "\n".join(table)
@@ -349,14 +348,17 @@ def host_columns(labels, rows, label_width):
     return out
 
 
-def value_groups(labels, rows, label_width, shown):
+def value_groups(labels, rows, label_width, reachable):
     """Each row's value once, where the hosts agree; else each value after the hosts that
-    have it, the most common one last as 'the other N'."""
+    have it, the most common one last as 'the other N'. The status row names the hosts
+    that failed; the others leave them out."""
     out = [f"{len(labels)} hosts: {', '.join(labels)}", ""]
     for label, cells, differs in rows:
         hosts_by_value = {}
-        for i in range(len(labels)) if label == "status" else shown:
-            hosts_by_value.setdefault(tuple(cells[i]), []).append(labels[i])
+        for i in range(len(labels)) if label == "status" else reachable:
+            hosts_by_value.setdefault(tuple(cells[i]) or ("(none)",), []).append(labels[i])
+        if not hosts_by_value:  # no host answered: only the status row has values
+            continue
         lines = []
         if len(hosts_by_value) == 1:
             lines = list(next(iter(hosts_by_value)))
@@ -366,8 +368,7 @@ def value_groups(labels, rows, label_width, shown):
                 common = None  # every host its own value: name each
             for value, hosts in sorted(hosts_by_value.items(), key=lambda item: item[0] == common):
                 who = f"the other {len(hosts)}" if value == common else ", ".join(hosts)
-                first, *more = value or ("",)
-                lines += [f"{who}: {first}"] + [f"  {line}" for line in more]
+                lines += [f"{who}: {value[0]}"] + [f"  {line}" for line in value[1:]]
         first = ("* " if differs else "  ") + label
         out += [f"{first if n == 0 else '':<{label_width}}  {text}" for n, text in enumerate(lines)]
     return out
@@ -800,7 +801,7 @@ def on_every_host(hosts, function):
     """[function(host) for host in hosts], run in parallel: one slow host must not add up.
     A host still at it after PATIENCE_S is named, so that a wait of up to REPORT_TIMEOUT_S
     does not look like a hang."""
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:  # every host's wait starts now
         futures = [pool.submit(function, host) for host in hosts]
         _, pending = wait(futures, timeout=PATIENCE_S)
         if pending:

@@ -41,10 +41,10 @@
 # fails within 15 s if a firewall drops the packets (says so after 30 s if
 # the port refuses them).
 #
-# Every remote host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
+# Every host gets NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS,
 # CUDA_VISIBLE_DEVICES and PYTHONPATH from this environment, plus the
 # --env-file lines, through SSH's standard input: no value shows in `ps`.
-# (A local one runs with all of this environment.)
+# (A local one also has the rest of this environment.)
 # GLOO_SOCKET_IFNAME, unless set there or sent, is the interface of the
 # host's address (none where that is lo: gloo then goes by the host's name).
 #
@@ -399,7 +399,7 @@ set_node_args() {
 print_dry_run() {
   local i how rendezvous names=()
   for i in "${!env_entries[@]}"; do names+=("${env_entries[i]%%=*}"); done
-  echo "environment sent to each remote host (a local one has all of this shell's): ${names[*]}"
+  echo "environment on every host (a local one also has the rest of this shell's): ${names[*]}"
   for i in "${!labels[@]}"; do
     set_node_args "$i"
     how="ssh ${ports[i]:+-p ${ports[i]} }${destinations[i]}"

@@ -595,6 +595,14 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def seed_rank_stream(seed, rank, step):
+    """Seed dropout masks and the like from `step` on: a stream per rank, so that ranks draw
+    independently (DDP gives every rank rank 0's initial weights), and per step, so that a
+    resume that cannot restore the saved streams does not repeat the first steps' masks.
+    From 2**32 up, apart from --seed's stream, with which every rank builds the data and model."""
+    torch.manual_seed(seed + rank + ((step + 1) << 32))
+
+
 def checkpoint_path(args):
     return os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None
 
@@ -772,11 +780,13 @@ def changed_optimizer_settings(checkpoint, optimizer):
     """The optimizer's settings in the code (momentum, weight decay ...) that differ from
     the checkpoint's, which load_state_dict would put back without a word. Its defaults, as
     the code built it: a scheduler moves the settings of the param groups (OneCycleLR the
-    momentum too), never those. The learning rate is --lr's, checked with the arguments."""
-    theirs = checkpoint.get("optimizer_defaults", {})  # {}: written before train.py kept them
-    return [f"optimizer {key} {theirs.get(key, '(absent)')} (now {value})"
+    momentum too), never those. The learning rate is --lr's, checked with the arguments. A
+    setting only one side has (added by another torch) is not compared: load_state_dict fills
+    it in; neither is any before train.py saved them."""
+    theirs = checkpoint.get("optimizer_defaults", {})
+    return [f"optimizer {key} {theirs[key]} (now {value})"
             for key, value in sorted(optimizer.defaults.items())
-            if key != "lr" and theirs.get(key, "(absent)") != value]
+            if key != "lr" and key in theirs and theirs[key] != value]
 
 
 def batch_split(world_size, args):
@@ -805,17 +815,16 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
     other_device = saved_rng is not None and (saved_rng["cuda"] is None) != (device.type != "cuda")
     if saved_rng is not None and not other_device:
         set_rng_state(saved_rng, device)
-    else:  # no rank of the checkpoint's is this one, or it drew on another kind of device:
-        # a stream per rank and step, so that dropout does not repeat the first steps' masks
-        torch.manual_seed(args.seed + rank + (checkpoint["step"] << 32))
+    else:  # no rank of the checkpoint's is this one, or it drew on another kind of device
+        seed_rank_stream(args.seed, rank, checkpoint["step"])
     if rank == 0:
         how = ""
+        if other_device:
+            how += ", with new random states: the checkpoint's are of another kind of device"
         if my_split != their_split:
-            how = (f", as {describe_split(my_split)} instead of {describe_split(their_split)}: "
-                   "the same global batches in the same order (but for the padding of each "
-                   "epoch's last), not bitwise the same run")
-        elif other_device:
-            how = ", with new random states: the checkpoint's are of another kind of device"
+            how += (f", as {describe_split(my_split)} instead of {describe_split(their_split)}: "
+                    "the same global batches in the same order (but for the padding of each "
+                    "epoch's last), not bitwise the same run")
         log(f"resumed from {path} at step {checkpoint['step']}{how}")
     return checkpoint["step"]
 
@@ -909,7 +918,7 @@ def format_seconds(seconds):
 
 def train(args, rank, local_rank, world_size, device):
     # Fix: the pattern seeded nothing. One seed on every rank while building what all ranks
-    # must share (a random split of your data, say); then one per rank, below.
+    # must share (a random split of your data, say); then a stream per rank, to train.
     torch.manual_seed(args.seed)
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
@@ -933,9 +942,7 @@ def train(args, rank, local_rank, world_size, device):
     # Fix: the pattern built the deprecated torch.cuda.amp.GradScaler and never used it,
     # so it trained in plain fp32. fp16 needs the scaler; bf16 and fp32 pass through it.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    # Adding the rank keeps dropout masks and the like independent across ranks (DDP gives
-    # every rank rank 0's initial weights).
-    torch.manual_seed(args.seed + rank)
+    seed_rank_stream(args.seed, rank, 0)
 
     per_step = args.batch_size * args.accum_steps  # samples per rank per optimizer step
     samples_per_rank = len(epoch_order(len(train_x), 0, rank, world_size, args.seed))

@@ -475,6 +475,9 @@ def test_table_too_wide_for_the_terminal_groups_hosts_by_value(monkeypatch):
         "                  GLOO_SOCKET_IFNAME=eth0", "                the other 4: (none set)"]
     hostname_row = table.index("  hostname      node0: node0")  # each its own: every host named
     assert table[hostname_row + 4] == "                node4: node4"
+    unreachable = [{"error": f"unreachable: ssh: connect to host {label} port 22: timed out"} for label in labels]
+    table = check_env.format_table(labels, unreachable).splitlines()
+    assert len(table) == 2 + 6 and all(": error: unreachable" in line for line in table[2:])  # no rows of "-"
 
 
 def test_json_output_has_reports_and_problems(monkeypatch, capsys, tmp_path):

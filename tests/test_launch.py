@@ -435,7 +435,7 @@ def test_dry_run_prints_every_command_and_starts_nothing(cluster, tmp_path, star
     assert launch.proc.returncode == 0, launch.err
     node1, node2 = cluster.address("node1"), cluster.address("node2")
     lines = launch.out.splitlines()
-    assert re.fullmatch(r"environment sent to each remote host \(a local one has all of this shell's\): "
+    assert re.fullmatch(r"environment on every host \(a local one also has the rest of this shell's\): "
                         r".*TORCH_DISABLE_SHARE_RDZV_TCP_STORE.*", lines[0])
     assert lines[1].startswith("root@node1:22 (ssh -p 22 root@node1): cd ")
     assert lines[2].startswith("node2 (ssh node2): cd ")

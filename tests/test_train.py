@@ -131,7 +131,7 @@ def test_resume_mid_epoch_is_bitwise_exact_on_three_ranks(mnist_dir, tmp_path):
 
 def reseeded_state(step):
     """Rank 0's random state where a resume reseeds it, with --seed 0 (train.resume_from)."""
-    return torch.Generator().manual_seed(step << 32).get_state()
+    return torch.Generator().manual_seed((step + 1) << 32).get_state()
 
 
 def test_resume_at_another_world_size_keeps_the_global_batch(mnist_dir, tmp_path, capfd):
