@@ -777,12 +777,11 @@ def why_not_resumable(checkpoint, args, data_id, optimizer, world_size):
 
 
 def changed_optimizer_settings(checkpoint, optimizer):
-    """The optimizer's settings in the code (momentum, weight decay ...) that differ from
-    the checkpoint's, which load_state_dict would put back without a word. Its defaults, as
-    the code built it: a scheduler moves the settings of the param groups (OneCycleLR the
-    momentum too), never those. The learning rate is --lr's, checked with the arguments. A
-    setting only one side has (added by another torch) is not compared: load_state_dict fills
-    it in; neither is any before train.py saved them."""
+    """The optimizer settings in the code (momentum, weight decay ...) that differ from the
+    checkpoint's, which load_state_dict would silently put back. It compares the defaults the
+    code built the optimizer with, which no scheduler moves (OneCycleLR moves each param
+    group's momentum); --lr is checked with the arguments. A setting only one side has (added
+    by another torch, or a checkpoint from before train.py saved them) is not compared."""
     theirs = checkpoint.get("optimizer_defaults", {})
     return [f"optimizer {key} {theirs[key]} (now {value})"
             for key, value in sorted(optimizer.defaults.items())
@@ -812,7 +811,8 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
     their_split = batch_split(checkpoint["world_size"], checkpoint["args"])
     my_split = batch_split(world_size, vars(args))
     saved_rng = checkpoint["rng"][rank] if their_split[0] == world_size else None
-    other_device = saved_rng is not None and (saved_rng["cuda"] is None) != (device.type != "cuda")
+    other_device = (saved_rng is not None
+                    and (saved_rng["cuda"] is not None) != (device.type == "cuda"))
     if saved_rng is not None and not other_device:
         set_rng_state(saved_rng, device)
     else:  # no rank of the checkpoint's is this one, or it drew on another kind of device
