@@ -492,9 +492,8 @@ def locked_memory_problem(label, report):
     """RDMA pins the memory it sends from, up to ulimit -l: NCCL over InfiniBand or RoCE
     needs it unlimited, as the RDMA stacks' own guides set it."""
     limit = report["locked_memory"]
-    if not (report["gpus"] and report["rdma_devices"]) or limit == "unlimited":
-        return []
-    if report["env"].get("NCCL_IB_DISABLE") == "1":
+    uses_rdma = report["gpus"] and report["rdma_devices"] and report["env"].get("NCCL_IB_DISABLE") != "1"
+    if not uses_rdma or limit == "unlimited":
         return []
     return [f"{label}: ulimit -l is {size_text(limit)} where RDMA ({', '.join(report['rdma_devices'])}) "
             "needs pinned memory: NCCL over InfiniBand can fail to register its buffers; set memlock "

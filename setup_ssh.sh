@@ -174,11 +174,11 @@ no_answer() {
     "stale network mount?)"
 }
 
-# Prints "ok" or why BatchMode login to host number $1 fails, as launch.sh
-# will log in: with the keys ssh offers by itself.
-check_login() {
-  local i=$1 output reason status=0 login_output
-  try_login "$i" || status=$?
+# Prints "ok" or why BatchMode login to host number $1 failed, as launch.sh
+# will log in (with the keys ssh offers by itself), from try_login's status $2
+# and output $3.
+login_result() {
+  local i=$1 status=$2 output=$3 reason login_output
   if ((status == 0)); then
     echo ok
     return
@@ -186,8 +186,7 @@ check_login() {
     no_answer
     return
   fi
-  output=$login_output
-  if try_login "$i" -i "$key"; then
+  if [[ -e $key ]] && try_login "$i" -i "$key"; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
     reason=$(last_line "$output")
@@ -199,7 +198,8 @@ main() {
   require_bash 4 4 # empty arrays under set -u
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=() public_key=
-  local i width=4 result status failed=0 timed_out=() needs_key=() login_output
+  local i width=4 result status failed=0 needs_key=() login_output
+  local login_status=() login_outputs=() # each host's latest try_login
   while (($#)); do
     case $1 in
       -h | --help) usage; exit 0 ;;
@@ -227,7 +227,7 @@ main() {
   for i in "${!labels[@]}"; do
     status=0
     try_login "$i" || status=$?
-    if ((status == 124)); then timed_out[i]=1; fi
+    login_status[i]=$status login_outputs[i]=$login_output
     if ((status == 255)) && [[ $login_output == *"Permission denied"* ||
       $login_output == *"Too many authentication failures"* ]]; then
       needs_key+=("$i")
@@ -238,11 +238,15 @@ main() {
   for i in "${needs_key[@]}"; do
     status=0
     install_key "$i" || status=$? # the table below reports a failure
-    if ((status == 124)); then timed_out[i]=1; fi
+    if ((status != 124)); then # see how the key left it
+      status=0
+      try_login "$i" || status=$?
+    fi
+    login_status[i]=$status login_outputs[i]=$login_output
   done
   printf '%-*s  %s\n' "$width" HOST "BATCHMODE LOGIN"
   for i in "${!labels[@]}"; do
-    if [[ -n ${timed_out[i]:-} ]]; then result=$(no_answer); else result=$(check_login "$i"); fi
+    result=$(login_result "$i" "${login_status[i]}" "${login_outputs[i]}")
     [[ $result == ok ]] || failed=1
     printf '%-*s  %s\n' "$width" "${labels[i]}" "$result"
   done
