@@ -59,6 +59,7 @@ STARTED = time.time()  # this host's clock as the report began: see fetch_report
 CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
 REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
 PATIENCE_S = 10  # then check_env.py names the hosts it is still waiting for
+CAP_IPC_LOCK = 14  # its bit in /proc/self/status's CapEff: RDMA may pin memory past ulimit -l
 
 # All-reduce benchmark. Every wait is bounded so that a node that cannot reach
 # the others ends the run with a message instead of hanging it.
@@ -198,8 +199,14 @@ def rdma_devices():
 
 def locked_memory_limit():
     """ulimit -l in bytes, or "unlimited": what RDMA may pin. Over SSH it comes from sshd's
-    limits, which need not be the ones a scheduler's jobs get."""
+    limits, which need not be the ones a scheduler's jobs get. CAP_IPC_LOCK (root's, say)
+    lifts it."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    with contextlib.suppress(OSError, AttributeError):  # (no /proc: macOS)
+        status = Path("/proc/self/status").read_text()
+        effective = int(re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+        if effective >> CAP_IPC_LOCK & 1:
+            return "unlimited"
     return "unlimited" if soft == resource.RLIM_INFINITY else soft
 
 
@@ -262,7 +269,7 @@ def show_rdma(report):
     if not report["rdma_devices"]:
         return "none"
     limit = report["locked_memory"]
-    return f"{', '.join(report['rdma_devices'])}; ulimit -l {limit if limit == 'unlimited' else size_text(limit)}"
+    return f"{', '.join(report['rdma_devices'])}; memlock {limit if limit == 'unlimited' else size_text(limit)}"
 
 
 def show_backends(report):
@@ -398,6 +405,9 @@ MUST_MATCH = [
     ("CUDA runtime", "cuda_runtime", str),
     ("NCCL", "nccl", str),
 ]
+# Where no host has a GPU, the job runs gloo on the CPU, which a CPU-only build and a CUDA
+# build of one release share.
+MUST_MATCH_WITH_GPUS = {"cuda_runtime", "nccl"}
 
 
 # torchrun's rendezvous compares each host's heartbeats, stamped by its own clock, with its
@@ -447,9 +457,10 @@ def find_problems(labels, reports, nproc=None):
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
-            problems += locked_memory_problem(label, report)
+            if len(reports) > 1:  # RDMA carries traffic between hosts only
+                problems += locked_memory_problem(label, report)
             if label != ref_label:
-                problems += differences(label, report, ref_label, ref)
+                problems += differences(label, report, ref_label, ref, uses_gpus)
     return problems + clock_problems(usable)
 
 
@@ -500,10 +511,12 @@ def locked_memory_problem(label, report):
             "unlimited in /etc/security/limits.d/ (or NCCL_IB_DISABLE=1 for sockets)"]
 
 
-def differences(label, report, ref_label, ref):
+def differences(label, report, ref_label, ref, uses_gpus):
     """How report differs from the reference in what must match."""
     found = []
     for name, key, comparable in MUST_MATCH:
+        if key in MUST_MATCH_WITH_GPUS and not uses_gpus:
+            continue
         mine, theirs = [("missing" if v is None else v) for v in (report[key], ref[key])]
         if comparable(mine) != comparable(theirs):
             why = report["why_missing"].get(key) if report[key] is None else None

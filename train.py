@@ -182,6 +182,10 @@ def setup_distributed(args):
                          "torchrun, which sets them all, or unset WORLD_SIZE")
     backend = args.backend
     if backend == "auto":
+        why_no_gpu = gpus_torch_cannot_see()
+        if why_no_gpu:  # else it would train on the CPU, or hang beside nodes that run nccl
+            raise UsageError(f"{socket.gethostname()} has {why_no_gpu}; pass --backend gloo to "
+                             "train on the CPU")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -223,6 +227,19 @@ def setup_distributed(args):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 device_id=device if backend == "nccl" else None)
     return rank, local_rank, world_size, device
+
+
+def gpus_torch_cannot_see(driver_file="/proc/driver/nvidia/version"):
+    """Why torch sees no GPU where an NVIDIA driver is loaded, or None where it sees one, or
+    none is loaded, or CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available() or hidden in ("", "-1") or not os.path.exists(driver_file):
+        return None
+    if torch.version.cuda is None:
+        return f"an NVIDIA driver, but torch {torch.__version__} is a CPU-only build"
+    shown = "" if hidden is None else f", or CUDA_VISIBLE_DEVICES={hidden} names none of them"
+    return (f"an NVIDIA driver, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
+            f"GPU: a driver too old for that CUDA, or one updated without a reboot{shown}")
 
 
 def check_other_hosts_can_reach_gloo():
@@ -1055,6 +1072,9 @@ def main(argv=None):
             resume = (f": the same command resumes from {last}"
                       if last and os.path.exists(last) else "")
             print(f"train.py: interrupted{resume}", file=sys.stderr)
+        if distributed():  # out at once, as below: the teardown can wait for the others
+            sys.stderr.flush()
+            os._exit(130)
         sys.exit(130)
     except Exception as e:
         if not distributed():

@@ -7,6 +7,8 @@ import copy
 import json
 import os
 import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,6 +141,18 @@ def test_output_into_a_closed_pipe_stops_without_a_traceback():
     assert (proc.returncode, err) == (1, "")
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) drops capabilities")
+def test_locked_memory_is_unlimited_with_cap_ipc_lock():
+    """RDMA may pin past ulimit -l where the process has CAP_IPC_LOCK, as root has."""
+    def limit(*prefix):
+        return subprocess.run(
+            [*prefix, sys.executable, "-c", "import check_env; print(check_env.locked_memory_limit())"],
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536)),
+            cwd=REPO, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert limit("setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock") == "65536\n"
+    assert limit() == ("unlimited\n" if os.geteuid() == 0 else "65536\n")
+
+
 def test_help_explains_the_options():
     result = run_check_env(["--help"], timeout=30)
     assert result.returncode == 0
@@ -228,9 +242,16 @@ def three_hosts(b=None, c=None):
             ["b: torch 2.13.0+cu130 differs from a (2.14.1+cu130)"],
         ),
         (
-            three_hosts(c=host_report("c", "10.0.0.3/24", nccl="2.27.3")),
+            [host_report(n, f"10.0.0.{i}/24", gpus=gpus(1), nccl=nccl)
+             for i, (n, nccl) in enumerate(zip(LABELS, ["2.30.7", "2.30.7", "2.27.3"]), 1)],
             None,
             ["c: NCCL 2.27.3 differs from a (2.30.7)"],
+        ),
+        (  # gloo on the CPU: one release's CPU-only and CUDA builds mix
+            three_hosts(c=host_report("c", "10.0.0.3/24", torch="2.14.1+cpu", torchvision="0.29.1+cpu",
+                                      cuda_runtime=None, cudnn=None, nccl=None, nccl_available=False)),
+            None,
+            [],
         ),
         (
             three_hosts(b=host_report("b", "10.0.0.2/24", python="3.12.1", torchvision=None)),
@@ -268,6 +289,11 @@ def three_hosts(b=None, c=None):
             ["a: ulimit -l is 8 MiB where RDMA (mlx5_0) needs pinned memory: NCCL over InfiniBand can fail "
              "to register its buffers; set memlock unlimited in /etc/security/limits.d/ (or NCCL_IB_DISABLE=1 "
              "for sockets)"],
+        ),
+        (  # one host: NCCL uses no RDMA within it
+            [host_report("a", "10.0.0.1/24", gpus=gpus(8), rdma_devices=["mlx5_0"], locked_memory=65536)],
+            None,
+            [],
         ),
         (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [1, 1, 0]), 1)],
@@ -336,12 +362,14 @@ def three_hosts(b=None, c=None):
         "match",
         "torch",
         "nccl",
+        "cpu-only-build-on-cpus",
         "python-torchvision",
         "torchvision-broken",
         "no-torch",
         "unreachable",
         "nproc-gpus",
         "rdma-locked-memory",
+        "rdma-one-host",
         "gpu-cpu-mix",
         "cpu-nproc",
         "old-torch",
@@ -481,12 +509,12 @@ def test_table_too_wide_for_the_terminal_groups_hosts_by_value(monkeypatch):
 
 
 def test_json_output_has_reports_and_problems(monkeypatch, capsys, tmp_path):
-    reports = three_hosts(c=host_report("c", "10.0.0.3/24", nccl="2.27.3"))
+    reports = three_hosts(c=host_report("c", "10.0.0.3/24", torch="2.13.0+cu130"))
     status, out = check_hosts_with(monkeypatch, capsys, tmp_path, reports, "--json")
     assert status == 1
     data = json.loads(out)
     assert list(data["hosts"]) == LABELS
-    assert data["problems"] == ["c: NCCL 2.27.3 differs from a (2.30.7)"]
+    assert data["problems"] == ["c: torch 2.13.0+cu130 differs from a (2.14.1+cu130)"]
 
 
 # --------------------------------------------------------------------------

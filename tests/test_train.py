@@ -328,22 +328,29 @@ def test_a_failed_metrics_write_is_one_line_after_the_epoch_is_saved(mnist_dir, 
     assert load(tmp_path / "last.pt")["step"] == 2
 
 
-def test_ctrl_c_is_one_line_and_status_130(tmp_path):
+@pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--standalone",
+                                              "--nproc-per-node=2"]], ids=["python", "torchrun"])
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, launcher):
+    """Under torchrun each rank exits at once, without the process group's teardown."""
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--log-every", "1",
-         "--save-every", "1", "--checkpoint-dir", tmp_path],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, *launcher, TRAIN, "--arch", "cnn", "--dataset", "synthetic",
+         "--log-every", "1", "--save-every", "1", "--checkpoint-dir", tmp_path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # python's own handler
     try:
         while "step 1/" not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C, to every process
         _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 130
-        assert err == f"train.py: interrupted: the same command resumes from {tmp_path}/last.pt\n"
+        line = f"train.py: interrupted: the same command resumes from {tmp_path}/last.pt\n"
+        if launcher:  # torchrun prints its own traceback (SignalException), and exits 1
+            assert err.count(line) == 1 and "KeyboardInterrupt" not in err
+        else:
+            assert (proc.returncode, err) == (130, line)
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # (none left: the group is gone)
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
@@ -590,6 +597,38 @@ def test_gloo_across_hosts_on_a_name_that_resolves_to_loopback_is_refused(
             train.check_other_hosts_can_reach_gloo()
     else:
         train.check_other_hosts_can_reach_gloo()
+
+
+@pytest.mark.parametrize("visible, cuda, why", [
+    (None, "13.0", "torch 2.x (CUDA 13.0) sees no GPU: a driver too old for that CUDA, or one "
+                   "updated without a reboot"),
+    ("3", "13.0", "torch 2.x (CUDA 13.0) sees no GPU: a driver too old for that CUDA, or one "
+                  "updated without a reboot, or CUDA_VISIBLE_DEVICES=3 names none of them"),
+    (None, None, "torch 2.x is a CPU-only build"),
+    ("", "13.0", None),  # hidden on purpose
+    ("-1", "13.0", None),
+])
+def test_gpus_that_torch_cannot_see_are_named(monkeypatch, tmp_path, visible, cuda, why):
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05\n")
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train.torch, "__version__", "2.x")
+    monkeypatch.setattr(train.torch.version, "cuda", cuda)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    expected = why and f"an NVIDIA driver, but {why}"
+    assert train.gpus_torch_cannot_see(driver) == expected
+    assert train.gpus_torch_cannot_see(tmp_path / "absent") is None  # no driver: a CPU machine
+
+
+def test_backend_auto_refuses_gpus_that_torch_cannot_see(monkeypatch, capfd):
+    """Else it would train on the CPU, or hang beside nodes that run nccl."""
+    monkeypatch.setattr(train, "gpus_torch_cannot_see", lambda: "an NVIDIA driver, but (why)")
+    monkeypatch.setattr(train.socket, "gethostname", lambda: "gpu-03")
+    assert main_in_process(capfd, "--dataset", "synthetic", backend="auto") == (
+        1, "", "train.py: error: gpu-03 has an NVIDIA driver, but (why); pass --backend gloo to "
+        "train on the CPU\n")
 
 
 def test_nccl_without_a_gpu_is_one_message_per_node():
