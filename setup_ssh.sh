@@ -73,10 +73,8 @@ drop_local_hosts() {
 }
 
 # Dies unless $key is a private key usable in BatchMode, with its public key
-# beside it, or nothing yet; sets public_key where it exists.
+# beside it; sets public_key.
 check_key() {
-  [[ $key != *.pub ]] || die "--key takes the private key, ${key%.pub}, not $key"
-  [[ -e $key ]] || return 0
   [[ -f $key.pub ]] || die "no $key.pub: --key takes a private key with its public key" \
     "beside it ('ssh-keygen -y -f $key > $key.pub' writes it)"
   read_public_key
@@ -101,8 +99,11 @@ read_public_key() {
 # BatchMode logins (this script's checks, launch.sh's) cannot ask for a
 # passphrase: a key that has one must be in ssh-agent.
 check_key_usable_without_prompt() {
-  local blob
-  ssh-keygen -y -P '' -f "$key" >/dev/null 2>&1 && return 0
+  local blob error
+  error=$(ssh-keygen -y -P '' -f "$key" 2>&1 >/dev/null) && return 0
+  if [[ $error == *'bad permissions'* ]]; then # (ssh-add refuses it too)
+    die "$key is open to other users, so ssh ignores it: chmod 600 $key"
+  fi
   read -r _ blob _ <<<"$public_key"
   ssh-add -L 2>/dev/null | grep -qF " $blob" ||
     die "$key has a passphrase, and no ssh-agent holds it: run 'ssh-add $key' first"
@@ -122,10 +123,12 @@ ssh_for() {
 }
 
 # Runs "$@" for at most LOGIN_SECONDS where coreutils' timeout is there (not on
-# macOS); exits 124 past it.
+# macOS); exits 124 past it. --foreground: else ssh would run outside the
+# terminal's foreground group, where Ctrl-C misses it and a bastion's prompt
+# stops it.
 within_limit() {
-  if command -v timeout >/dev/null; then
-    timeout "$LOGIN_SECONDS" "$@"
+  if timeout --foreground 1 true 2>/dev/null; then
+    timeout --foreground "$LOGIN_SECONDS" "$@"
   else
     "$@"
   fi
@@ -209,6 +212,7 @@ main() {
     esac
   done
   (($# == 1)) || die "usage: setup_ssh.sh [--key PATH] HOSTFILE (see --help)"
+  [[ $key != *.pub ]] || die "--key takes the private key, ${key%.pub}, not $key"
   read_hostfile "$1"
   drop_local_hosts
   if ((${#labels[@]} == 0)); then
@@ -216,7 +220,6 @@ main() {
     return 0
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
-  check_key
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
       "refuses the key asks for its password, and without a terminal fails" >&2
@@ -234,7 +237,9 @@ main() {
     fi
     ((${#labels[i]} <= width)) || width=${#labels[i]}
   done
-  if ((${#needs_key[@]})) && [[ -z $public_key ]]; then create_key; fi
+  if ((${#needs_key[@]})); then
+    if [[ -e $key ]]; then check_key; else create_key; fi
+  fi
   for i in "${needs_key[@]}"; do
     status=0
     install_key "$i" || status=$? # the table below reports a failure

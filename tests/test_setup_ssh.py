@@ -2,9 +2,11 @@
 
 import contextlib
 import os
+import pty
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +43,11 @@ def state(cluster, key):
     files = [key, Path(f"{key}.pub"), cluster.known_hosts]
     files += [cluster.host(h).dir / "home/.ssh/authorized_keys" for h in cluster.hosts]
     return {f: (f.read_bytes(), f.stat().st_mtime_ns) if f.exists() else None for f in files}
+
+
+def keys_state(cluster, key):
+    """state(), less known_hosts, which a first login writes (accept-new)."""
+    return {f: v for f, v in state(cluster, key).items() if f != cluster.known_hosts}
 
 
 def require_sshpass():
@@ -82,26 +89,40 @@ def test_setup_makes_batch_login_work_and_is_idempotent(cluster, tmp_path):
     assert state(cluster, key) == before
 
 
-def test_a_host_where_login_works_already_is_left_alone(cluster, tmp_path):
-    """As on a cluster that made ~/.ssh/id_rsa at first login: no new key, no password."""
+@pytest.mark.parametrize("given_key", ["missing", "with_passphrase", "open_to_others"])
+def test_a_host_where_login_works_already_is_left_alone(cluster, tmp_path, given_key):
+    """As on a cluster that made ~/.ssh/id_rsa at first login: no new key, no password, and
+    nothing asked of --key until a host needs it."""
     works, needs_key = cluster.hosts
     authorized = cluster.host(works).dir / "home/.ssh/authorized_keys"
     authorized.parent.mkdir(mode=0o700, exist_ok=True)
     authorized.write_text(Path(f"{cluster.key}.pub").read_text())  # the key ssh offers
     key = tmp_path / "id_ed25519"
+    if given_key != "missing":
+        passphrase = "phrase" if given_key == "with_passphrase" else ""
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", key], check=True)
+        key.chmod(0o644 if given_key == "open_to_others" else 0o600)
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{works}\n")
     before = authorized.read_bytes(), authorized.stat().st_mtime_ns
-    try:
-        result = setup_ssh(cluster, "--key", key, hostfile)  # no SSHPASS: a password would fail
+    try:  # no SSHPASS: a password would fail; no ssh-agent
+        result = setup_ssh(cluster, "--key", key, hostfile, SSH_AUTH_SOCK="")
         assert result.returncode == 0 and result.stderr == "", result.stdout + result.stderr
         assert re.search(rf"^{works} +ok$", result.stdout, re.M), result.stdout
         assert (authorized.read_bytes(), authorized.stat().st_mtime_ns) == before
-        assert not key.exists()
-        hostfile.write_text(f"{works}\n{needs_key}\n")  # the key is made once a host needs it
-        result = setup_ssh(cluster, "--key", key, hostfile)
-        assert result.returncode == 1 and key.exists()
-        assert re.search(rf"^{needs_key} +FAILED: .*Permission denied", result.stdout, re.M), result.stdout
+        assert key.exists() == (given_key != "missing")
+        hostfile.write_text(f"{works}\n{needs_key}\n")  # the key is made or checked once a host needs it
+        result = setup_ssh(cluster, "--key", key, hostfile, SSH_AUTH_SOCK="")
+        if given_key == "missing":
+            assert result.returncode == 1 and key.exists()
+            assert re.search(rf"^{needs_key} +FAILED: .*Permission denied", result.stdout, re.M), result.stdout
+        else:
+            assert (result.returncode, result.stdout) == (2, "")
+            assert result.stderr == {
+                "with_passphrase": f"setup_ssh.sh: {key} has a passphrase, and no ssh-agent holds it: "
+                                   f"run 'ssh-add {key}' first\n",
+                "open_to_others": f"setup_ssh.sh: {key} is open to other users, so ssh ignores it: "
+                                  f"chmod 600 {key}\n"}[given_key]
     finally:
         authorized.unlink()  # the other tests' hosts start with password login only
 
@@ -173,7 +194,7 @@ def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given
         Path(f"{key}.pub").unlink()
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{cluster.hosts[0]}\n")
-    before = state(cluster, key)
+    before = keys_state(cluster, key)
     result = setup_ssh(cluster, "--key", f"{key}.pub" if pub_given else key, hostfile,
                        SSHPASS=PASSWORD)
     assert result.returncode == 2 and result.stdout == ""
@@ -181,7 +202,7 @@ def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given
         f"setup_ssh.sh: --key takes the private key, {key}, not {key}.pub\n" if pub_given else
         f"setup_ssh.sh: no {key}.pub: --key takes a private key with its public key beside it "
         f"('ssh-keygen -y -f {key} > {key}.pub' writes it)\n")
-    assert state(cluster, key) == before
+    assert keys_state(cluster, key) == before
 
 
 @contextlib.contextmanager
@@ -208,7 +229,7 @@ def ssh_agent_holding(key, passphrase, tmp_path):
 
 
 def test_a_key_with_a_passphrase_is_used_through_ssh_agent(cluster, tmp_path):
-    """Without an agent it is refused before any host is touched: BatchMode logins cannot
+    """Without an agent it is refused before any key is installed: BatchMode logins cannot
     ask for the passphrase. With one, another key that ssh offers, which has a passphrase
     and which the hosts accept, must not stall the password login: ssh would ask for that
     passphrase, and sshpass answers only a password's prompt."""
@@ -220,14 +241,14 @@ def test_a_key_with_a_passphrase_is_used_through_ssh_agent(cluster, tmp_path):
     for host in cluster.hosts:
         (cluster.host(host).dir / "home/.ssh/authorized_keys").write_text(
             Path(f"{other_key}.pub").read_text())
-    before = state(cluster, key)
+    before = keys_state(cluster, key)
     without_agent = {k: v for k, v in cluster.env().items() if k != "SSH_AUTH_SOCK"}
     refused = subprocess.run([SETUP, "--key", key, hostfile], env=without_agent,
                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
     assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
     assert refused.stderr == (f"setup_ssh.sh: {key} has a passphrase, and no ssh-agent holds it: "
                               f"run 'ssh-add {key}' first\n")
-    assert state(cluster, key) == before
+    assert keys_state(cluster, key) == before
     with ssh_agent_holding(key, "phrase", tmp_path) as agent:
         result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_AUTH_SOCK=agent,
                            SSH_COMMAND=f"{cluster.ssh_command} -i {other_key} -i {key}")
@@ -251,6 +272,38 @@ def test_a_host_whose_login_hangs_is_given_up_after_30_s(cluster, tmp_path):
     assert re.search(rf"^{cluster.hosts[0]} +FAILED: no answer within 30 s \(a login that hangs",
                      result.stdout, re.M), result.stdout + result.stderr
     assert took < 45, took  # once, not again for the table
+
+
+def test_ctrl_c_in_a_terminal_stops_a_login_that_hangs(cluster, tmp_path):
+    """timeout(1) would run ssh outside the terminal's foreground group, out of Ctrl-C's
+    reach, for 30 s, without --foreground."""
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", cluster.hosts[:1])
+    home = cluster.host(cluster.hosts[0]).dir / "home"
+    (home / ".ssh").mkdir(mode=0o700, exist_ok=True)
+    (home / ".ssh/authorized_keys").write_text(Path(f"{cluster.key}.pub").read_text())  # ssh's own key
+    (home / ".bashrc").write_text("touch ~/login_started; sleep 120\n")
+    pid, terminal = pty.fork()
+    if pid == 0:  # in a session of its own, with the terminal as its controlling one
+        os.execve(SETUP, [SETUP, "--key", tmp_path / "id_ed25519", hostfile], cluster.env())
+    try:
+        deadline = time.monotonic() + 20
+        while not (home / "login_started").exists():
+            assert time.monotonic() < deadline, "the login never started"
+            time.sleep(0.1)
+        os.write(terminal, b"\x03")  # Ctrl-C
+        deadline = time.monotonic() + 10
+        while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+            assert time.monotonic() < deadline, "Ctrl-C did not stop setup_ssh.sh"
+            time.sleep(0.1)
+        pid = None
+        assert os.WIFSIGNALED(ended[1]) and os.WTERMSIG(ended[1]) == signal.SIGINT
+    finally:
+        if pid:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+        for path in (".bashrc", "login_started", ".ssh/authorized_keys"):  # as the other tests need
+            (home / path).unlink(missing_ok=True)
 
 
 def test_only_this_machine_is_nothing_to_do(tmp_path):
