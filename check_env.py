@@ -157,6 +157,7 @@ def torch_facts(why_missing):
                     "name": props.name,
                     "memory_gib": round(props.total_memory / 2**30, 1),
                     "capability": f"{props.major}.{props.minor}",
+                    "torch_has_kernels": has_kernels_for(props.major, torch.cuda.get_arch_list()),
                 }
             )
     except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
@@ -168,6 +169,13 @@ def torch_facts(why_missing):
     except Exception as exc:
         why_missing["torchvision"] = f"torchvision does not import: {describe(exc)}"
     return facts
+
+
+def has_kernels_for(major, arch_list):
+    """Whether a torch built for arch_list (["sm_80", "sm_90a", ...]) runs on a GPU of
+    compute capability major.x: as torch's own check has it, one of the same major."""
+    built = [re.fullmatch(r"sm_(\d+)[a-z]?", arch) for arch in arch_list]
+    return not arch_list or any(int(match[1]) // 10 == major for match in built if match)
 
 
 def cudnn_version_string(number):
@@ -262,7 +270,8 @@ def describe(exc):
 
 def show_gpus(report):
     gpus = report.get("gpus") or []
-    return [f"{len(gpus)}"] + [f"{g['name']}, {g['memory_gib']} GiB, cc {g['capability']}" for g in gpus]
+    return [f"{len(gpus)}"] + [f"{g['name']}, {g['memory_gib']} GiB, cc {g['capability']}"
+                               + ("" if g["torch_has_kernels"] else ", no kernels in this torch") for g in gpus]
 
 
 def show_rdma(report):
@@ -457,6 +466,7 @@ def find_problems(labels, reports, nproc=None):
                 problems.append(f"{label}: CUDA cannot use the GPUs: {report['why_missing']['gpus']}")
             else:
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
+                problems += gpus_without_kernels(label, report)
             if len(reports) > 1:  # RDMA carries traffic between hosts only
                 problems += locked_memory_problem(label, report)
             if label != ref_label:
@@ -497,6 +507,15 @@ def gpu_shortage(label, report, nproc, uses_gpus):
     if nproc is None:
         return [f"{label}: no GPU visible, but other hosts have GPUs (nccl and gloo do not mix)"]
     return [f"{label}: --nproc {nproc} but only {count} GPU(s) visible"]
+
+
+def gpus_without_kernels(label, report):
+    """GPUs newer (or older) than any this torch was built for: every kernel fails there."""
+    missing = sorted({f"{g['name']} (cc {g['capability']})" for g in report["gpus"] if not g["torch_has_kernels"]})
+    if not missing:
+        return []
+    return [f"{label}: torch {report['torch']} has no kernels for its {', '.join(missing)}: CUDA calls "
+            "fail there (\"no kernel image is available\"); install a torch built for it"]
 
 
 def locked_memory_problem(label, report):
@@ -665,7 +684,8 @@ def read_hosts(path):
 
 
 def this_machine_names():
-    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    node_name = socket.gethostname().lower()
+    names = {"localhost", node_name, node_name.split(".")[0], socket.getfqdn().lower()}
     names.update(i["address"].split("/")[0] for i in interface_addresses({}) or [])
     return names
 
@@ -716,8 +736,10 @@ def forwarded_input(host):
 
 # The commands run_on_host has under way, each in a session of its own: a SIGTERM or
 # SIGINT kills their groups, or the program would wait for each (the threads that run
-# them finish before it ends), up to REPORT_TIMEOUT_S.
+# them finish before it ends), up to REPORT_TIMEOUT_S. STOPPING, set then, keeps the
+# threads from starting more.
 RUNNING = set()
+STOPPING = threading.Event()
 
 
 def start_on_host(host, argv, python, stderr):
@@ -738,11 +760,17 @@ def start_on_host(host, argv, python, stderr):
 
 def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
     """(exit status, stdout, error text); the status is None when it could not run at all."""
+    if STOPPING.is_set():
+        return None, "", "stopped"
     try:
         proc = start_on_host(host, argv, python, stderr=subprocess.PIPE)
     except FileNotFoundError as exc:
         return None, "", f"cannot run {exc.filename}: not found"
+    except OSError as exc:  # too many open files, say
+        return None, "", f"cannot start its command: {exc.strerror}"
     RUNNING.add(proc)
+    if STOPPING.is_set():  # the signal came as it started, and stop_at_signal missed it
+        kill_group(proc, signal.SIGKILL)
     try:
         stdout, stderr = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -757,6 +785,7 @@ def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
 def stop_at_signal(signum, frame):
     """SIGTERM or SIGINT: kill what run_on_host runs, and unwind, so that run_nodes stops
     every node it started."""
+    STOPPING.set()
     for proc in list(RUNNING):
         kill_group(proc, signal.SIGKILL)
     sys.exit(128 + signum)
@@ -1203,6 +1232,11 @@ def main(argv=None):
         return 0
     signal.signal(signal.SIGTERM, stop_at_signal)
     signal.signal(signal.SIGINT, stop_at_signal)
+    # Each host's command holds 3 files open here while it runs, all hosts at once: the
+    # common soft limit of 1024 would fail past 340 hosts. (macOS refuses an unlimited one.)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         return check_hosts(args)
     except UsageError as exc:

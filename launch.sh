@@ -27,13 +27,14 @@
 #   --dry-run         check the hosts, print each host's command, start nothing
 #   -h, --help        show this help
 #
-# First every host is checked, the first alone for up to 5 s and then the
-# others in parallel (so that a ControlMaster the first check opens, to a
-# bastion say, serves them all), these within 30 s: SSH, bash 4.3+, the
-# directory, torchrun, a Python 3 (torchrun's, else python3), the script,
-# the interfaces that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name (where
-# sent or set there), that the address SSH reached it at is one the other
-# hosts can use (not another host's, nor 127.0.0.1 where there are others),
+# First every host is checked, with the job's environment, the first alone
+# for up to 5 s and then the others in parallel (so that a ControlMaster the
+# first check opens, to a bastion say, serves them all), these within 30 s:
+# SSH, bash 4.3+, the directory, torchrun, a Python 3 (torchrun's, else
+# python3), the script, the interfaces that GLOO_SOCKET_IFNAME and
+# NCCL_SOCKET_IFNAME name (where sent or set there), that the address SSH
+# reached it at is one the other hosts can use (not another host's, nor this
+# machine's where a host runs here, nor 127.0.0.1 where there are others),
 # that the hosts' clocks agree (within 4 s for certain, which catches 10 s),
 # and on the first host that --port is free. If any check fails, nothing
 # starts.
@@ -51,13 +52,13 @@
 # Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
 #
-# If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C or
-# SIGTERM stops the job everywhere (exit 130 or 143). A second one, or 30 s
-# of stopping that some host has not finished, ends the wait: launch.sh says
-# which hosts it left, where part of the job may run on. If launch.sh dies,
-# each host stops its part of the job as soon as its SSH input closes; cut
-# off from launch.sh by the network, or with launch.sh stopped (Ctrl-Z),
-# after 30 s without a word from it.
+# If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C,
+# SIGTERM or SIGHUP (its terminal closed) stops the job everywhere (exit
+# 130, 143 or 129). A second one, or 30 s of stopping that some host has not
+# finished, ends the wait: launch.sh says which hosts it left, where part of
+# the job may run on. If launch.sh dies, each host stops its part of the job
+# as soon as its SSH input closes; cut off from launch.sh by the network, or
+# with launch.sh stopped (Ctrl-Z), after 30 s without a word from it.
 
 if [ -z "${BASH_VERSION:-}" ] || shopt -oq posix; then # sh launch.sh: not bash, or bash as sh
   echo "launch.sh: run it with bash, not sh" >&2
@@ -198,7 +199,9 @@ start_check() {
   if (($1 == 0)); then node_port=${port:-free}; fi
   build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" "$gloo_sent" "$nccl_sent"
   printf -v "check_started[$1]" '%(%s)T' -1
-  "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 </dev/null &
+  # (Through a pipe, not <(...): that printf would be a child of the command,
+  # which never reaps it.)
+  printf '%s\0' "${env_entries[@]}" '' | "${cmd[@]}" >"$tmp/preflight.$1" 2>&1 &
   pending[$!]=$1
 }
 
@@ -210,6 +213,7 @@ run_checks() {
   local i pid polls=0 others_started_at='' gloo_sent nccl_sent
   local -A pending=() # pid -> host number
   gloo_sent=$(sent_value GLOO_SOCKET_IFNAME) nccl_sent=$(sent_value NCCL_SOCKET_IFNAME) # for start_check
+  trap 'stop_checks 129' HUP
   trap 'stop_checks 130' INT
   trap 'stop_checks 143' TERM
   start_check 0
@@ -234,20 +238,21 @@ run_checks() {
     kill -s KILL "${!pending[@]}" 2>/dev/null || true # a hung check may ignore TERM
     wait "${!pending[@]}" 2>/dev/null || true # (no "Killed" notice)
   fi
-  trap - INT TERM
+  trap - HUP INT TERM
 }
 
 # On a signal during preflight: kills run_checks' pending checks and exits $1.
 stop_checks() {
-  # || true: a check may be gone already (a signal to the whole group), and
-  # set -e would end this script with 1 before the exit.
+  # || true: a check may be gone already (a signal to the whole group), or the
+  # terminal (SIGHUP), and set -e would end this script with 1 before the exit.
   kill "${!pending[@]}" 2>/dev/null || true
-  echo "launch.sh: stopped during preflight, nothing was started" >&2
+  echo "launch.sh: stopped during preflight, nothing was started" >&2 || true
   exit "$1"
 }
 
 # Prints why the address remote host number $1 reports cannot serve the job,
-# if it cannot. seen maps the addresses of the hosts before it to their numbers.
+# if it cannot. seen maps the addresses of the hosts before it to their numbers;
+# here is the label of the host that runs here, if one does.
 address_problem() {
   local address=${addresses[$1]} other
   case $address in
@@ -262,20 +267,27 @@ address_problem() {
         other=${labels[${seen[$address]}]}
         echo "reached at $address, as $other is (one machine under two names? containers behind one" \
           "address?): every host needs its own address"
+      elif [[ -n $here && $(address_held_here "$address") == yes ]]; then
+        echo "reached at $address, this machine's, which runs $here already (one machine under two" \
+          "names?): list it once"
       fi
       ;;
   esac
 }
 
-# Whether this machine holds address $1 (secondary and loopback addresses
-# included); true when it cannot tell.
-holds_address() {
+# Prints whether this machine holds address $1 (secondary and loopback
+# addresses included): yes, no, or unknown where it cannot tell.
+address_held_here() {
   local address=${1#::ffff:} found
   if found=$(ip -o addr show to "$address" 2>/dev/null); then
-    [[ -n $found ]]
+    : # one line if it does
   elif found=$(hostname -I 2>/dev/null); then
-    [[ " $found " == *" $address "* ]]
+    [[ " $found " == *" $address "* ]] || found=''
+  else
+    echo unknown
+    return
   fi
+  if [[ -n $found ]]; then echo yes; else echo no; fi
 }
 
 # Whether the clocks of hosts number $1 and $2 are CLOCK_SKEW_SECONDS apart
@@ -333,9 +345,12 @@ ssh_refusal_fix() {
 # Checks every host; fills addresses and port, or prints a table of the hosts
 # that failed and exits 1.
 preflight() {
-  local i report fields client='' timed_out=() reports=() check_started=() check_ended=()
+  local i report fields client='' here='' timed_out=() reports=() check_started=() check_ended=()
   local clock_low=() clock_high=()
   local -A seen=() # address -> host number
+  for i in "${!labels[@]}"; do
+    if [[ -n ${local_node[i]} ]]; then here=${labels[i]}; fi
+  done
   run_checks
   for i in "${!labels[@]}"; do
     report=$(grep '^ok ' "$tmp/preflight.$i" | tail -n 1) || true
@@ -363,7 +378,7 @@ preflight() {
     fi
   done
   add_clock_problems
-  if [[ -n $client ]] && ! holds_address "$client"; then
+  if [[ -n $client && $(address_held_here "$client") == no ]]; then
     for i in "${!labels[@]}"; do
       if [[ -n ${local_node[i]} && -z ${reports[i]:-} ]]; then
         reports[i]="the other hosts see this machine as $client, which it does not hold (NAT or a jump host?): they cannot reach it there"
@@ -443,10 +458,11 @@ take_stdin() {
 run_host() {
   local i=$1 rendezvous relay status
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
-  # whole group: this script stops the host, by closing its stdin. Killed by
-  # them, the pipe would lose the host's last output. (Bash ignores them in
-  # a background subshell, but not in the programs that subshell runs.)
-  trap '' INT QUIT
+  # whole group, and the SIGHUP of a terminal closed: this script stops the
+  # host, by closing its stdin. Killed by them, the pipe would lose the host's
+  # last output. (Bash ignores INT and QUIT in a background subshell, but not
+  # in the programs that subshell runs.)
+  trap '' HUP INT QUIT
   take_stdin "$i"
   set_node_args "$i"
   if ((i == 0)); then rendezvous=-; fi
@@ -479,6 +495,7 @@ start_hosts() {
   # Until every host has started, this script runs no other program (one
   # killed by a signal to the whole group would end it, through set -e),
   # and a signal is only noted: the hosts stop once all have started.
+  trap 'signal_status=${signal_status:-129}' HUP
   trap 'signal_status=${signal_status:-130}' INT
   trap 'signal_status=${signal_status:-143}' TERM
   for i in "${!labels[@]}"; do
@@ -490,6 +507,7 @@ start_hosts() {
     exec {fd}<&-
     unset "read_fds[i]"
   done
+  trap 'on_signal 129' HUP
   trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
   trap '' PIPE # a host that is already gone must not kill this script

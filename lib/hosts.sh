@@ -30,10 +30,11 @@ require_readable_file() {
 # destinations ([user@]host), ports (may be empty) and local_node ("yes" or
 # empty); dies on a malformed line, a duplicate or an empty file.
 read_hostfile() {
-  local file=$1 line n=0 user host name port key is_local hint own_names=() addresses=()
+  local file=$1 line n=0 user host name port key is_local hint node_name own_names=() addresses=()
   local -A seen=()
   require_readable_file "$file"
-  own_names=(localhost "$(uname -n)" "$(hostname -f 2>/dev/null || true)")
+  node_name=$(uname -n)
+  own_names=(localhost "$node_name" "${node_name%%.*}" "$(hostname -f 2>/dev/null || true)")
   read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
   own_names+=("${addresses[@]}")
   own_names=("${own_names[@],,}")

@@ -8,25 +8,29 @@
 # Prints the Python of torchrun $1 (as PATH finds it), which runs launch.sh's
 # probes on the hosts, with no torch import: the python beside it (a venv's,
 # conda's), else the one its #! line names (pip's: python3.11 -m pip install
-# --user leaves no python beside it), else python3.
+# --user leaves no python beside it), even one that is not there (a venv's
+# link to another machine's Python), else python3.
 torchrun_python() {
   local path shebang=''
   path=$(command -v -- "$1") || return 1
   if [[ -x ${path%/*}/python ]]; then echo "${path%/*}/python"; return; fi
   IFS=' ' read -r shebang _ <"$path" 2>/dev/null || true
   shebang=${shebang#'#!'}
-  if [[ $shebang == /*/python* && -x $shebang ]]; then echo "$shebang"; else echo python3; fi
+  if [[ $shebang == /*/python* ]]; then echo "$shebang"; else echo python3; fi
 }
 
 # Runs on each host: checks what run_node needs, the directory, torchrun and
-# script. On the first host, PORT is the rendezvous port to check, or "free"
-# to pick one; elsewhere "-". GLOO and NCCL are the GLOO_SOCKET_IFNAME and
-# NCCL_SOCKET_IFNAME the job gets, or "-" where it gets this host's own.
+# script, with the job's variables, read from stdin as run_node reads them
+# (torchrun's Python may need an --env-file's LD_LIBRARY_PATH). On the first
+# host, PORT is the rendezvous port to check, or "free" to pick one; elsewhere
+# "-". GLOO and NCCL are the GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME the job
+# gets, or "-" where it gets this host's own.
 # Prints "ok SSH_CONNECTION PORT TIME" ("-" where unknown), TIME as this
 # host's clock has it, in seconds since the epoch.
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 python
-  local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from
+  local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from entry error bound
+  while IFS= read -r -d '' entry && [[ -n $entry ]]; do export "${entry?}"; done
   echo # ends a line that the host's login scripts may have left open, a banner say
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
     echo "fail: bash $BASH_VERSION here; launch.sh needs 4.3 or newer on every host"
@@ -42,8 +46,14 @@ check_node() {
     fi
     return 1
   fi
-  if ! "$python" -I -S -c '' 2>/dev/null; then
-    echo "fail: no Python 3 for launch.sh's probes: none beside $torchrun or on its #! line, no python3 on PATH"
+  if ! error=$("$python" -I -S -c '' 2>&1); then
+    if [[ $python == python3 ]] && ! command -v python3 >/dev/null; then
+      echo "fail: no Python 3 for launch.sh's probes: none beside $torchrun or on its #! line, no python3 on PATH"
+    elif [[ $error == *'error while loading shared libraries'* ]]; then
+      echo "fail: $python does not start here (an LD_LIBRARY_PATH for --env-file?): ${error##*$'\n'}"
+    else
+      echo "fail: $python does not start here: ${error##*$'\n'}"
+    fi
     return 1
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
@@ -83,13 +93,23 @@ check_node() {
       return 1
     fi
   fi
-  if [[ $port == free ]]; then
-    port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
-      || { echo "fail: cannot pick a free port"; return 1; }
-  elif [[ $port != - ]]; then # as torchrun will bind it: SO_REUSEADDR, so TIME_WAIT is no obstacle
-    "$python" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$port" 2>/dev/null \
-      || { echo "fail: port $port (--port) is in use here"; return 1; }
+  # As torchrun will bind it: SO_REUSEADDR, so TIME_WAIT is no obstacle.
+  if [[ $port != - ]] && ! bound=$("$python" -I -S -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", 0 if sys.argv[1] == "free" else int(sys.argv[1])))
+except OSError as e:
+    sys.exit(e.strerror)
+print(s.getsockname()[1])' "$port" 2>&1); then
+    if [[ $port == free ]]; then
+      echo "fail: cannot pick a free port: ${bound##*$'\n'}"
+    else
+      echo "fail: port $port (--port) cannot be bound here: ${bound##*$'\n'}"
+    fi
+    return 1
   fi
+  if [[ $port != - ]]; then port=$bound; fi
   printf 'ok %s %s %(%s)T\n' "${SSH_CONNECTION:-- - - -}" "$port" -1
 }
 

@@ -160,6 +160,17 @@ def test_help_explains_the_options():
         assert text in result.stdout
 
 
+@pytest.mark.parametrize("major, arch_list, has_kernels", [
+    (9, ["sm_75", "sm_80", "sm_86", "sm_90"], True),
+    (8, ["sm_75", "sm_80", "sm_86", "sm_90"], True),  # an sm_89 runs sm_86's kernels
+    (12, ["sm_75", "sm_80", "sm_86", "sm_90"], False),
+    (9, ["sm_80", "sm_90a", "compute_90"], True),
+    (6, [], True),  # no list to go by
+])
+def test_gpus_run_kernels_of_their_major_capability(major, arch_list, has_kernels):
+    assert check_env.has_kernels_for(major, arch_list) is has_kernels
+
+
 def test_cudnn_version_is_readable():
     assert check_env.cudnn_version_string(92400) == "9.24.0"
     assert check_env.cudnn_version_string(8902) == "8.9.2"
@@ -212,7 +223,7 @@ def without_torch(name, address):
 
 
 def gpus(n):
-    return [{"name": "NVIDIA H100", "memory_gib": 79.1, "capability": "9.0"}] * n
+    return [{"name": "NVIDIA H100", "memory_gib": 79.1, "capability": "9.0", "torch_has_kernels": True}] * n
 
 
 LABELS = ["a", "b", "c"]
@@ -295,6 +306,14 @@ def three_hosts(b=None, c=None):
             None,
             [],
         ),
+        (  # a GPU newer than any this torch was built for
+            [host_report(n, f"10.0.0.{i}/24", torch="2.5.1+cu124", gpus=g) for i, (n, g) in enumerate(zip(
+                LABELS, [gpus(1), gpus(1), [{"name": "NVIDIA GeForce RTX 5090", "memory_gib": 31.4,
+                                             "capability": "12.0", "torch_has_kernels": False}]]), 1)],
+            None,
+            ["c: torch 2.5.1+cu124 has no kernels for its NVIDIA GeForce RTX 5090 (cc 12.0): CUDA calls fail "
+             'there ("no kernel image is available"); install a torch built for it'],
+        ),
         (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(k)) for i, (n, k) in enumerate(zip(LABELS, [1, 1, 0]), 1)],
             None,
@@ -370,6 +389,7 @@ def three_hosts(b=None, c=None):
         "nproc-gpus",
         "rdma-locked-memory",
         "rdma-one-host",
+        "gpu-without-kernels",
         "gpu-cpu-mix",
         "cpu-nproc",
         "old-torch",

@@ -178,9 +178,9 @@ FAKETIME_LIBRARY = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), No
 def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
-    tunnel ends at 127.0.0.1, one sshd sets none, "stuck" never answers, "hung" never ends
-    once its part of a job has (as where a hung mount holds the clean-up; its preflight,
-    whose stdin is not a pipe, ends), the clocks of "ahead4" and "behind40" (say) are off by
+    tunnel ends at 127.0.0.1, "self" is this machine, one sshd sets none, "stuck" never answers, "hung" never ends
+    once its part of a job has (as where a hung mount holds the clean-up; its preflight
+    ends), the clocks of "ahead4" and "behind40" (say) are off by
     that many seconds (libfaketime), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
     see this machine at 127.0.0.1: a rendezvous here, which each host tries as it starts,
     is reached without a packet leaving it."""
@@ -193,10 +193,14 @@ def ssh_here(tmp_path):
         '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
         '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
         '  bare) unset SSH_CONNECTION ;;\n'
+        '  self) here=$(hostname -I); export SSH_CONNECTION="127.0.0.1 40000 ${here%% *} 22" ;;\n'
         '  h[0-9]*) export SSH_CONNECTION="127.0.0.1 40000 10.9.1.${host#h} 22" ;;\n'
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
-        'if [[ $host == hung && -p /dev/stdin ]]; then sh -c "${*: -1}"; exec sleep 600; fi\n'
+        'payload=${*: -1}; payload=${payload#*echo }\n'  # (see remote_bash_command)
+        'if [[ $host == hung && $(base64 -d <<<"${payload%% *}") == *run_node* ]]; then\n'
+        '  sh -c "${*: -1}"; exec sleep 600\n'
+        'fi\n'
         'if [[ $host =~ ^(ahead|behind)([0-9]+)$ ]]; then\n'
         '  sign=+; if [[ ${BASH_REMATCH[1]} == behind ]]; then sign=-; fi\n'
         f'  export LD_PRELOAD={FAKETIME_LIBRARY} FAKETIME=$sign${{BASH_REMATCH[2]}}s\n'
@@ -527,7 +531,8 @@ def test_preflight_rejects_a_port_in_use_on_the_first_host(cluster, tmp_path, st
         launch = run_launch(start, ["--dry-run", "--port", "29999", hostfile, "1", *TRAIN],
                             launch_env(cluster), timeout=30)
         assert launch.proc.returncode == 1, launch.out + launch.err
-        assert re.search(r"^  node1 +port 29999 \(--port\) is in use here$", launch.err, re.M), launch.err
+        assert re.search(r"^  node1 +port 29999 \(--port\) cannot be bound here: Address already in use$",
+                         launch.err, re.M), launch.err
     finally:
         os.killpg(listener.pid, signal.SIGKILL)
         listener.wait()
@@ -559,43 +564,64 @@ def test_a_tilde_after_an_options_equals_sign_is_the_home_directory(tmp_path, st
     assert f"cd '{tmp_path / 'x'}' && " in launch.out, launch.out
 
 
-@pytest.mark.parametrize("first_line, problem", [
-    (f"#!{sys.executable}", None),  # pip's torchrun, with no python beside it
-    ("#!/bin/sh", "no Python 3 for launch.sh's probes: none beside {torchrun} or on its #! line, "
-                  "no python3 on PATH"),
-], ids=["pip", "none"])
-def test_preflight_finds_torchruns_python_on_a_host_without_python3(tmp_path, start, first_line, problem):
+@pytest.mark.parametrize("first_line, env_file, problem", [
+    (f"#!{sys.executable}", "", None),  # pip's torchrun, with no python beside it
+    ("#!/bin/sh", "", "no Python 3 for launch.sh's probes: none beside {torchrun} or on its #! line, "
+                      "no python3 on PATH"),
+    ("#!/gone/bin/python3", "", "/gone/bin/python3 does not start here: "),  # a venv's dangling link
+    ("#!{needs_library}", "", "{needs_library} does not start here (an LD_LIBRARY_PATH for --env-file?): "
+                              "python3: error while loading shared libraries: libpython3.11.so.1.0: "
+                              "cannot open shared object file: No such file or directory"),
+    ("#!{needs_library}", "LD_LIBRARY_PATH=/opt/python/lib\n", None),  # as Lmod's modules need
+], ids=["pip", "none", "missing", "needs_a_library", "library_path_sent"])
+def test_preflight_finds_torchruns_python_on_a_host_without_python3(tmp_path, start, first_line, env_file,
+                                                                   problem):
     """The probes run on torchrun's own Python where no python3 is on the host's PATH (as
-    after python3.11 -m pip install --user torch on RHEL 8), and preflight says so where
-    there is none at all."""
+    after python3.11 -m pip install --user torch on RHEL 8), with the job's variables, and
+    preflight says so where there is none that starts."""
+    needs_library = tmp_path / "python3"  # a Python that starts only with LD_LIBRARY_PATH set
+    needs_library.write_text(
+        '#!/bin/sh\n[ -n "$LD_LIBRARY_PATH" ] || { echo "python3: error while loading shared libraries: '
+        'libpython3.11.so.1.0: cannot open shared object file: No such file or directory" >&2; exit 127; }\n'
+        f'exec {sys.executable} "$@"\n')
+    needs_library.chmod(0o755)
     torchrun = tmp_path / "pip" / "torchrun"
     torchrun.parent.mkdir()
-    torchrun.write_text(f"{first_line}\n")
+    torchrun.write_text(first_line.format(needs_library=needs_library) + "\n")
     torchrun.chmod(0o755)
+    (tmp_path / "env").write_text(env_file)
     tools = tmp_path / "tools"  # all that the host's PATH holds
     tools.mkdir()
     for tool in ("bash", "base64", "sh"):
         (tools / tool).symlink_to(shutil.which(tool))
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("host\n")
-    launch = run_launch(start, ["--dry-run", "--torchrun", torchrun, hostfile, "1", *TRAIN],
+    launch = run_launch(start, ["--dry-run", "--torchrun", torchrun, "--env-file", tmp_path / "env", hostfile,
+                                "1", *TRAIN],
                         launch_env(SSH_COMMAND=f"env PATH={tools} {ssh_here(tmp_path)}"), timeout=30)
     if problem is None:
         assert launch.proc.returncode == 0, launch.err
     else:
         assert launch.proc.returncode == 1, launch.err
-        assert launch.err.splitlines()[1:] == ["  host  " + problem.format(torchrun=torchrun)], launch.err
+        line = "  host  " + problem.format(torchrun=torchrun, needs_library=needs_library)
+        assert launch.err.splitlines()[1].startswith(line), launch.err
 
 
-@pytest.mark.parametrize("name", [socket.gethostname(), "127.0.0.1", "\ufefflocalhost"],
-                         ids=["own_name", "loopback", "after_a_byte_order_mark"])
+@pytest.mark.parametrize("name", [socket.gethostname(), "box", "127.0.0.1", "\ufefflocalhost"],
+                         ids=["own_name", "short_name", "loopback", "after_a_byte_order_mark"])
 def test_own_name_and_loopback_run_locally(tmp_path, start, name):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{name}\n")
     ssh_command, ssh_called = fake_ssh(tmp_path)
-    launch = run_launch(
-        start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_command), timeout=30
-    )
+    names = tmp_path / "names"  # where this machine's full name is box.example.org (RHEL's way)
+    names.mkdir()
+    for tool in ("uname", "hostname"):
+        (names / tool).write_text(f'#!/bin/sh\n[ "$1" = -I ] && exec {shutil.which(tool)} "$@"\n'
+                                  'echo box.example.org\n')
+        (names / tool).chmod(0o755)
+    path = f"{names}:{launch_env()['PATH']}" if name == "box" else launch_env()["PATH"]
+    launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN],
+                        launch_env(SSH_COMMAND=ssh_command, PATH=path), timeout=30)
     assert launch.proc.returncode == 0, launch.err
     lines = launch.out.splitlines()
     assert lines[1].startswith(f"{name.lstrip(chr(0xFEFF))} (local): ")
@@ -1104,14 +1130,16 @@ def test_sigterm_stops_every_host(cluster, tmp_path, start, train):
     assert_nothing_left(cluster, launch)
 
 
-def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start, train):
-    """A terminal's Ctrl-C reaches every process of launch.sh's group. The local node runs
-    in a session of its own, as a remote one does, and launch.sh stops it."""
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGHUP, 129)], ids=["INT", "HUP"])
+def test_ctrl_c_to_the_whole_group_stops_a_local_host(cluster, tmp_path, start, train, signum, status):
+    """A terminal's Ctrl-C, or its SIGHUP as it closes, reaches every process of launch.sh's
+    group. The local node runs in a session of its own, as a remote one does, and launch.sh
+    stops it, and ends with its summary."""
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["localhost", "node1"])
     launch = start(["--log-dir", tmp_path / "logs", hostfile, "1", *train, *UNTIL_STOPPED], launch_env(cluster))
     launch.wait_for_output(r"^(localhost|node1): epoch 1/1000 step 5/")  # rank 0 on either
-    os.killpg(launch.pid, signal.SIGINT)
-    assert launch.wait(15) == 130, launch.err
+    os.killpg(launch.pid, signum)
+    assert launch.wait(15) == status, launch.err
     assert re.search(r"^  localhost +143 .*stopped by launch.sh", launch.err, re.M), launch.err
     assert "KeyboardInterrupt" not in launch.out  # torchrun passes a SIGINT on to its workers
     assert "lost a peer" not in launch.out, launch.out  # a rank whose peer was stopped first
@@ -1272,6 +1300,19 @@ def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start)
     assert "127.0.0.1 (a tunnel?)" in failed["tunnel"]
     assert "no SSH_CONNECTION" in failed["bare"]
     assert launch.out == ""
+
+
+def test_preflight_rejects_this_machine_listed_twice(tmp_path, start):
+    """localhost, and a name of this machine that launch.sh cannot tell for its own
+    (another network's, say): two nodes would share its GPUs."""
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()
+    if not addresses:
+        pytest.skip("this machine has no address but loopback")
+    launch = dry_run_on_made_up_hosts(start, tmp_path, ["localhost", "self"], "1")
+    assert launch.proc.returncode == 1, launch.out + launch.err
+    assert launch.err.splitlines()[1:] == [
+        f"  self       reached at {addresses[0]}, this machine's, which runs localhost already (one "
+        "machine under two names?): list it once"], launch.err
 
 
 def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_address(tmp_path, start):
