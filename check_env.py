@@ -791,11 +791,13 @@ def stop_at_signal(signum, frame):
     sys.exit(128 + signum)
 
 
-def ssh_refusal_fix(last_line, stderr):
+def ssh_refusal_fix(reason, stderr):
     """What fixes ssh's refusal to log in, as launch.sh's preflight says it; else None."""
-    if "Permission denied (" in last_line:
+    if "Permission denied (" in reason:
         return "setup_ssh.sh installs your key; one with a passphrase needs ssh-add first"
-    if last_line != "Host key verification failed.":
+    if reason.startswith("Access denied") and "active jobs" in reason:  # Slurm's pam_slurm_adopt
+        return "Slurm lets in only users with a job there: run check_env.py in an allocation of these hosts"
+    if reason != "Host key verification failed.":
         return None
     if "REMOTE HOST IDENTIFICATION HAS CHANGED" not in stderr:
         return "setup_ssh.sh records a new host's key"
@@ -807,15 +809,17 @@ def ssh_refusal_fix(last_line, stderr):
 
 def failure(host, python, status, stderr):
     """Why a command on host failed, in the words a user needs to fix it."""
-    last_line = (stderr.strip().splitlines() or [""])[-1]
+    lines = stderr.strip().splitlines() or [""]
+    # The last line, but a PAM module's refusal, which comes before ssh's "Connection closed".
+    reason = next((line for line in lines if line.startswith("Access denied")), lines[-1])
     if status is None:
-        return last_line
+        return reason
     if status == 255 and not host.is_local:  # ssh's own failure, not the command's
-        fix = ssh_refusal_fix(last_line, stderr)
-        return f"ssh refused the login: {last_line} ({fix})" if fix else f"unreachable: {last_line}"
+        fix = ssh_refusal_fix(reason, stderr)
+        return f"ssh refused the login: {reason} ({fix})" if fix else f"unreachable: {reason}"
     if status == 127:
         return f"{python} not found (use --python)"
-    return f"{python} failed with exit status {status}: {last_line}"
+    return f"{python} failed with exit status {status}: {reason}"
 
 
 def fetch_report(host, python):

@@ -334,6 +334,9 @@ ssh_refusal_fix() {
     *'Permission denied ('*)
       echo " ($setup_ssh installs your key; one with a passphrase needs ssh-add first)"
       ;;
+    'Access denied'*'active jobs'*) # Slurm's pam_slurm_adopt, or pam_slurm
+      echo " (Slurm lets in only users with a job there: run launch.sh in an allocation of these hosts)"
+      ;;
     'Host key verification failed.')
       changed=$(changed_host_key_fix "$(<"$tmp/preflight.$i")")
       if [[ -z $changed ]]; then changed=" ($setup_ssh records a new host's key)"; fi
@@ -357,8 +360,9 @@ preflight() {
     if [[ -n ${timed_out[i]:-} ]]; then
       reports[i]="no answer within $PREFLIGHT_SECONDS s"
     elif [[ -z $report ]]; then
-      report=$(last_line "$(<"$tmp/preflight.$i")")
-      report=${report#fail: }
+      # A PAM module's refusal comes before ssh's last line ("Connection closed by ...").
+      report=$(grep -m 1 '^Access denied' "$tmp/preflight.$i") || report=$(last_line "$(<"$tmp/preflight.$i")")
+      report=${report%$'\r'} report=${report#fail: }
       reports[i]=${report:-no answer}$(ssh_refusal_fix "$i" "$report")
     else
       read -ra fields <<<"$report"

@@ -622,6 +622,16 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     assert check_env.forwarded_input(local) == b""  # it inherits them
 
 
+def test_a_login_that_slurm_refuses_says_why():
+    """pam_slurm_adopt's refusal comes before ssh's last line."""
+    host = check_env.Host("node2", None, "node2", None, False)
+    stderr = ("Access denied by pam_slurm_adopt: you have no active jobs on this node\r\n"
+              "Connection closed by 10.0.0.12 port 22\r\n")
+    assert check_env.failure(host, "python3", 255, stderr) == (
+        "ssh refused the login: Access denied by pam_slurm_adopt: you have no active jobs on this node "
+        "(Slurm lets in only users with a job there: run check_env.py in an allocation of these hosts)")
+
+
 def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\n")
