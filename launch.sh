@@ -360,9 +360,8 @@ preflight() {
     if [[ -n ${timed_out[i]:-} ]]; then
       reports[i]="no answer within $PREFLIGHT_SECONDS s"
     elif [[ -z $report ]]; then
-      # A PAM module's refusal comes before ssh's last line ("Connection closed by ...").
-      report=$(grep -m 1 '^Access denied' "$tmp/preflight.$i") || report=$(last_line "$(<"$tmp/preflight.$i")")
-      report=${report%$'\r'} report=${report#fail: }
+      report=$(reason_line "$(<"$tmp/preflight.$i")")
+      report=${report#fail: }
       reports[i]=${report:-no answer}$(ssh_refusal_fix "$i" "$report")
     else
       read -ra fields <<<"$report"

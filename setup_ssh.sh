@@ -192,7 +192,7 @@ login_result() {
   if [[ -e $key ]] && try_login "$i" -i "$key"; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
   else
-    reason=$(last_line "$output")
+    reason=$(reason_line "$output")
     echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")"
   fi
 }

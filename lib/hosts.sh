@@ -98,11 +98,13 @@ remote_bash_command() {
   echo "bash -c 'eval \"\$(echo $payload | base64 -d)\"'"
 }
 
-# Prints the last line of $1 that is not blank, without the \r that ssh ends its
-# own lines with.
-last_line() {
+# Prints the line of output $1 that says why a login or a command failed: a PAM
+# module's refusal ("Access denied by pam_slurm_adopt: ..."), which comes
+# before ssh's own last line ("Connection closed by ..."), else the last line
+# that is not blank; without the \r that ssh ends its own lines with.
+reason_line() {
   local line
-  line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
+  line=$(grep -m 1 '^Access denied' <<<"$1") || line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
   echo "${line%$'\r'}"
 }
 
