@@ -437,9 +437,9 @@ def torch_older_than(version, minimum):
 
 
 def find_problems(labels, reports, nproc=None):
-    """One line per problem, host by host. The first reachable host with torch is the reference."""
+    """One line per problem, host by host."""
     usable = [(label, r) for label, r in zip(labels, reports) if "error" not in r and r["torch"] is not None]
-    ref_label, ref = usable[0] if usable else (None, None)
+    references = reference_hosts(usable)
     uses_gpus = any(r["gpus"] for _, r in usable)
     problems = []
     for label, report in zip(labels, reports):
@@ -469,8 +469,7 @@ def find_problems(labels, reports, nproc=None):
                 problems += gpus_without_kernels(label, report)
             if len(reports) > 1:  # RDMA carries traffic between hosts only
                 problems += locked_memory_problem(label, report)
-            if label != ref_label:
-                problems += differences(label, report, ref_label, ref, uses_gpus)
+            problems += differences(label, report, references, uses_gpus)
     return problems + clock_problems(usable)
 
 
@@ -530,13 +529,30 @@ def locked_memory_problem(label, report):
             "unlimited in /etc/security/limits.d/ (or NCCL_IB_DISABLE=1 for sockets)"]
 
 
-def differences(label, report, ref_label, ref, uses_gpus):
-    """How report differs from the reference in what must match."""
+def reference_hosts(usable):
+    """For each value of MUST_MATCH, the (label, report) of the first of the usable hosts
+    whose value is the most common one (the first host's, where values tie): one odd host,
+    the first one included, is named alone, not every host that differs from it."""
+    references = {}
+    for _, key, comparable in MUST_MATCH:
+        values = [comparable(shown_value(report[key])) for _, report in usable]
+        most = max(map(values.count, values), default=0)
+        references[key] = next((host for host, value in zip(usable, values) if values.count(value) == most), None)
+    return references
+
+
+def shown_value(value):
+    return "missing" if value is None else value
+
+
+def differences(label, report, references, uses_gpus):
+    """How report differs from the references in what must match."""
     found = []
     for name, key, comparable in MUST_MATCH:
         if key in MUST_MATCH_WITH_GPUS and not uses_gpus:
             continue
-        mine, theirs = [("missing" if v is None else v) for v in (report[key], ref[key])]
+        ref_label, ref = references[key]
+        mine, theirs = shown_value(report[key]), shown_value(ref[key])
         if comparable(mine) != comparable(theirs):
             why = report["why_missing"].get(key) if report[key] is None else None
             shown = f"missing ({why})" if why else mine  # torchvision that fails to import, say

@@ -252,6 +252,11 @@ def three_hosts(b=None, c=None):
             None,
             ["b: torch 2.13.0+cu130 differs from a (2.14.1+cu130)"],
         ),
+        (  # the first host is the odd one: it alone is named
+            [host_report("a", "10.0.0.1/24", torch="2.13.0+cu130"), *three_hosts()[1:]],
+            None,
+            ["a: torch 2.13.0+cu130 differs from b (2.14.1+cu130)"],
+        ),
         (
             [host_report(n, f"10.0.0.{i}/24", gpus=gpus(1), nccl=nccl)
              for i, (n, nccl) in enumerate(zip(LABELS, ["2.30.7", "2.30.7", "2.27.3"]), 1)],
@@ -380,6 +385,7 @@ def three_hosts(b=None, c=None):
     ids=[
         "match",
         "torch",
+        "torch-first-host",
         "nccl",
         "cpu-only-build-on-cpus",
         "python-torchvision",
