@@ -174,8 +174,8 @@ def torch_facts(why_missing):
 def has_kernels_for(major, arch_list):
     """Whether a torch built for arch_list (["sm_80", "sm_90a", ...]) runs on a GPU of
     compute capability major.x: as torch's own check has it, one of the same major."""
-    built = [re.fullmatch(r"sm_(\d+)[a-z]?", arch) for arch in arch_list]
-    return not arch_list or any(int(match[1]) // 10 == major for match in built if match)
+    built = [int(match[1]) for match in (re.fullmatch(r"sm_(\d+)[a-z]?", arch) for arch in arch_list) if match]
+    return not built or any(sm // 10 == major for sm in built)  # none: ROCm's gfx names, or PTX alone
 
 
 def cudnn_version_string(number):
@@ -208,13 +208,13 @@ def rdma_devices():
 def locked_memory_limit():
     """ulimit -l in bytes, or "unlimited": what RDMA may pin. Over SSH it comes from sshd's
     limits, which need not be the ones a scheduler's jobs get. CAP_IPC_LOCK (root's, say)
-    lifts it."""
+    lifts it: "unlimited (CAP_IPC_LOCK)"."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     with contextlib.suppress(OSError, AttributeError):  # (no /proc: macOS)
         status = Path("/proc/self/status").read_text()
         effective = int(re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
         if effective >> CAP_IPC_LOCK & 1:
-            return "unlimited"
+            return "unlimited (CAP_IPC_LOCK)"
     return "unlimited" if soft == resource.RLIM_INFINITY else soft
 
 
@@ -278,7 +278,7 @@ def show_rdma(report):
     if not report["rdma_devices"]:
         return "none"
     limit = report["locked_memory"]
-    return f"{', '.join(report['rdma_devices'])}; memlock {limit if limit == 'unlimited' else size_text(limit)}"
+    return f"{', '.join(report['rdma_devices'])}; memlock {limit if isinstance(limit, str) else size_text(limit)}"
 
 
 def show_backends(report):
@@ -522,7 +522,7 @@ def locked_memory_problem(label, report):
     needs it unlimited, as the RDMA stacks' own guides set it."""
     limit = report["locked_memory"]
     uses_rdma = report["gpus"] and report["rdma_devices"] and report["env"].get("NCCL_IB_DISABLE") != "1"
-    if not uses_rdma or limit == "unlimited":
+    if not uses_rdma or isinstance(limit, str):  # unlimited
         return []
     return [f"{label}: ulimit -l is {size_text(limit)} where RDMA ({', '.join(report['rdma_devices'])}) "
             "needs pinned memory: NCCL over InfiniBand can fail to register its buffers; set memlock "
@@ -856,6 +856,16 @@ def fetch_report(host, python):
 
 def fetch_reports(hosts, python):
     return on_every_host(hosts, lambda host: fetch_report(host, python))
+
+
+def allow_open_files(count):
+    """Raises this process's limit on open files to count, where the hard limit allows: the
+    common soft limit of 1024 (256 on macOS) would fail hundreds of hosts."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def on_every_host(hosts, function):
@@ -1203,6 +1213,7 @@ def positive_int(text):
 
 def check_hosts(args):
     hosts = read_hosts(args.hosts) if args.hosts else [Host("localhost", None, "localhost", None, True)]
+    allow_open_files(3 * len(hosts) + 64)  # every host's command holds 3 here, all at once
     reports = fetch_reports(hosts, args.python)
     labels = [host.entry for host in hosts]
     addresses, address_problems = job_addresses(hosts, reports)
@@ -1252,11 +1263,6 @@ def main(argv=None):
         return 0
     signal.signal(signal.SIGTERM, stop_at_signal)
     signal.signal(signal.SIGINT, stop_at_signal)
-    # Each host's command holds 3 files open here while it runs, all hosts at once: the
-    # common soft limit of 1024 would fail past 340 hosts. (macOS refuses an unlimited one.)
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         return check_hosts(args)
     except UsageError as exc:

@@ -122,13 +122,15 @@ ssh_for() {
     ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 
-# Runs "$@" for at most LOGIN_SECONDS where coreutils' timeout is there (not on
+# Runs "$@" for at most LOGIN_SECONDS where there is a timeout program (not on
 # macOS); exits 124 past it. --foreground: else ssh would run outside the
 # terminal's foreground group, where Ctrl-C misses it and a bastion's prompt
 # stops it.
 within_limit() {
   if timeout --foreground 1 true 2>/dev/null; then
     timeout --foreground "$LOGIN_SECONDS" "$@"
+  elif command -v timeout >/dev/null; then # BusyBox's, which has no --foreground
+    timeout "$LOGIN_SECONDS" "$@"
   else
     "$@"
   fi

@@ -18,6 +18,7 @@ batch: the same batches in the same order (each epoch's last aside), but not bit
 import argparse
 import contextlib
 import datetime
+import glob
 import importlib.util
 import ipaddress
 import json
@@ -229,17 +230,30 @@ def setup_distributed(args):
     return rank, local_rank, world_size, device
 
 
-def gpus_torch_cannot_see(driver_file="/proc/driver/nvidia/version"):
-    """Why torch sees no GPU where an NVIDIA driver is loaded, or None where it sees one, or
-    none is loaded, or CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1)."""
+def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
+    """Why torch sees no GPU where this process may open an NVIDIA GPU's device, or None
+    where torch sees one, or none may be opened (a container or a scheduler's job given no
+    GPU), or CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1)."""
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if torch.cuda.is_available() or hidden in ("", "-1") or not os.path.exists(driver_file):
+    if torch.cuda.is_available() or torch.version.hip or hidden in ("", "-1"):
+        return None
+    gpu = next((path for path in sorted(glob.glob(devices)) if may_open(path)), None)
+    if gpu is None:
         return None
     if torch.version.cuda is None:
-        return f"an NVIDIA driver, but torch {torch.__version__} is a CPU-only build"
-    shown = "" if hidden is None else f", or CUDA_VISIBLE_DEVICES={hidden} names none of them"
-    return (f"an NVIDIA driver, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
-            f"GPU: a driver too old for that CUDA, or one updated without a reboot{shown}")
+        return f"a GPU ({gpu}), but torch {torch.__version__} is a CPU-only build"
+    shown = "" if hidden is None else f", or CUDA_VISIBLE_DEVICES={hidden} names none"
+    return (f"a GPU ({gpu}), but torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+            f"none: a driver too old for that CUDA, or updated without a reboot{shown}? "
+            "(nvidia-smi tells)")
+
+
+def may_open(path):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        return True
+    except OSError:  # absent, or denied (a cgroup that keeps a job from other jobs' GPUs)
+        return False
 
 
 def check_other_hosts_can_reach_gloo():
@@ -1067,14 +1081,15 @@ def main(argv=None):
         print_errors([e])
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from each rank
-        if int(os.environ.get("RANK", 0)) == 0:
-            last = checkpoint_path(args)
-            resume = (f": the same command resumes from {last}"
-                      if last and os.path.exists(last) else "")
-            print(f"train.py: interrupted{resume}", file=sys.stderr)
-        if distributed():  # out at once, as below: the teardown can wait for the others
-            sys.stderr.flush()
-            os._exit(130)
+        try:
+            if int(os.environ.get("RANK", 0)) == 0:
+                last = checkpoint_path(args)
+                resume = (f": the same command resumes from {last}"
+                          if last and os.path.exists(last) else "")
+                print(f"train.py: interrupted{resume}", file=sys.stderr, flush=True)
+        finally:
+            if distributed():  # out at once, as below: the teardown can wait for the others
+                os._exit(130)
         sys.exit(130)
     except Exception as e:
         if not distributed():

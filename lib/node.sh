@@ -49,10 +49,12 @@ check_node() {
   if ! error=$("$python" -I -S -c '' 2>&1); then
     if [[ $python == python3 ]] && ! command -v python3 >/dev/null; then
       echo "fail: no Python 3 for launch.sh's probes: none beside $torchrun or on its #! line, no python3 on PATH"
+    elif [[ $python == /* && ! -e $python ]]; then
+      echo "fail: no $python here, torchrun's Python (a venv made on another machine?)"
     elif [[ $error == *'error while loading shared libraries'* ]]; then
       echo "fail: $python does not start here (an LD_LIBRARY_PATH for --env-file?): ${error##*$'\n'}"
-    else
-      echo "fail: $python does not start here: ${error##*$'\n'}"
+    else # the first line that names an error: Python's fatal ones end in lines of context
+      echo "fail: $python does not start here: $(grep -m 1 -i error <<<"$error" || echo "${error##*$'\n'}")"
     fi
     return 1
   fi
@@ -152,11 +154,17 @@ else:
         if socket.inet_ntoa(request[20:24]) == address:
             names.append(name)
 print(*names[:1])'
-  python=$(torchrun_python "$1") # on this PATH: an --env-file line may change the job's
+  # The job's variables, for a program run in a subshell (the job's Python may
+  # need an --env-file's LD_LIBRARY_PATH); this shell keeps its own.
+  with_entries() (
+    for entry in "${entries[@]}"; do export "${entry?}"; done
+    "$@"
+  )
+  python=$(with_entries torchrun_python "$1")
   if command -v ip >/dev/null; then
     read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null)
   else
-    interface=$("$python" -I -S -c "$interface_of_address" "$address" 2>/dev/null)
+    interface=$(with_entries "$python" -I -S -c "$interface_of_address" "$address" 2>/dev/null)
   fi
   # gloo binds the first address of the interface it is given: on lo, 127.0.0.1,
   # where another host reaches only itself. Routed fabrics put each host's
@@ -170,7 +178,7 @@ print(*names[:1])'
   if [[ -z $gloo_given && -n $interface ]]; then
     entries+=("GLOO_SOCKET_IFNAME=$interface")
   elif [[ -z $gloo_given ]]; then
-    name_address=$("$python" -I -S -c 'import socket
+    name_address=$(with_entries "$python" -I -S -c 'import socket
 print(socket.getaddrinfo(socket.gethostname(), None)[0][4][0])' 2>/dev/null) || name_address=nothing
     if [[ $name_address != "$address" ]]; then
       echo "launch.sh: warning: gloo cannot bind $address here, so a gloo job (CPU training)" \

@@ -570,7 +570,8 @@ def test_a_tilde_after_an_options_equals_sign_is_the_home_directory(tmp_path, st
     (f"#!{sys.executable}", "", None),  # pip's torchrun, with no python beside it
     ("#!/bin/sh", "", "no Python 3 for launch.sh's probes: none beside {torchrun} or on its #! line, "
                       "no python3 on PATH"),
-    ("#!/gone/bin/python3", "", "/gone/bin/python3 does not start here: "),  # a venv's dangling link
+    ("#!/gone/bin/python3", "", "no /gone/bin/python3 here, torchrun's Python (a venv made on another "
+                                "machine?)"),
     ("#!{needs_library}", "", "{needs_library} does not start here (an LD_LIBRARY_PATH for --env-file?): "
                               "python3: error while loading shared libraries: libpython3.11.so.1.0: "
                               "cannot open shared object file: No such file or directory"),

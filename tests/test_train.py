@@ -349,9 +349,13 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, launcher):
         else:
             assert (proc.returncode, err) == (130, line)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # (none left: the group is gone)
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc.poll() is None:  # torchrun stops its workers, in sessions of their own, on SIGTERM
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
@@ -599,36 +603,66 @@ def test_gloo_across_hosts_on_a_name_that_resolves_to_loopback_is_refused(
         train.check_other_hosts_can_reach_gloo()
 
 
-@pytest.mark.parametrize("visible, cuda, why", [
-    (None, "13.0", "torch 2.x (CUDA 13.0) sees no GPU: a driver too old for that CUDA, or one "
-                   "updated without a reboot"),
-    ("3", "13.0", "torch 2.x (CUDA 13.0) sees no GPU: a driver too old for that CUDA, or one "
-                  "updated without a reboot, or CUDA_VISIBLE_DEVICES=3 names none of them"),
-    (None, None, "torch 2.x is a CPU-only build"),
-    ("", "13.0", None),  # hidden on purpose
-    ("-1", "13.0", None),
-])
-def test_gpus_that_torch_cannot_see_are_named(monkeypatch, tmp_path, visible, cuda, why):
-    driver = tmp_path / "version"
-    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05\n")
+@pytest.mark.parametrize("visible, cuda, device, why", [
+    (None, "13.0", "nvidia0", "torch 2.x (CUDA 13.0) sees none: a driver too old for that CUDA, or "
+                              "updated without a reboot? (nvidia-smi tells)"),
+    ("3", "13.0", "nvidia0", "torch 2.x (CUDA 13.0) sees none: a driver too old for that CUDA, or "
+                             "updated without a reboot, or CUDA_VISIBLE_DEVICES=3 names none? "
+                             "(nvidia-smi tells)"),
+    (None, None, "nvidia0", "torch 2.x is a CPU-only build"),
+    ("", "13.0", "nvidia0", None),  # hidden on purpose
+    ("-1", "13.0", "nvidia0", None),
+    (None, "13.0", "denied", None),  # a scheduler's job given no GPU (a cgroup denies the rest)
+    (None, "13.0", "none", None),  # a CPU machine, or a container given no GPU
+], ids=["driver", "visible_devices", "cpu_build", "hidden", "hidden_-1", "denied", "none"])
+def test_gpus_that_torch_cannot_see_are_named(monkeypatch, tmp_path, visible, cuda, device, why):
+    if device == "nvidia0":
+        (tmp_path / "nvidia0").write_bytes(b"")
+    elif device == "denied":  # as open() fails for it
+        (tmp_path / "nvidia0").symlink_to(tmp_path / "gone")
     monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(train.torch, "__version__", "2.x")
     monkeypatch.setattr(train.torch.version, "cuda", cuda)
+    monkeypatch.setattr(train.torch.version, "hip", None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    expected = why and f"an NVIDIA driver, but {why}"
-    assert train.gpus_torch_cannot_see(driver) == expected
-    assert train.gpus_torch_cannot_see(tmp_path / "absent") is None  # no driver: a CPU machine
+    expected = why and f"a GPU ({tmp_path}/nvidia0), but {why}"
+    assert train.gpus_torch_cannot_see(f"{tmp_path}/nvidia[0-9]*") == expected
 
 
 def test_backend_auto_refuses_gpus_that_torch_cannot_see(monkeypatch, capfd):
     """Else it would train on the CPU, or hang beside nodes that run nccl."""
-    monkeypatch.setattr(train, "gpus_torch_cannot_see", lambda: "an NVIDIA driver, but (why)")
+    monkeypatch.setattr(train, "gpus_torch_cannot_see", lambda: "a GPU (/dev/nvidia0), but (why)")
     monkeypatch.setattr(train.socket, "gethostname", lambda: "gpu-03")
     assert main_in_process(capfd, "--dataset", "synthetic", backend="auto") == (
-        1, "", "train.py: error: gpu-03 has an NVIDIA driver, but (why); pass --backend gloo to "
-        "train on the CPU\n")
+        1, "", "train.py: error: gpu-03 has a GPU (/dev/nvidia0), but (why); pass --backend gloo "
+        "to train on the CPU\n")
+
+
+def test_ctrl_c_of_a_rank_skips_the_process_groups_teardown(monkeypatch):
+    """Under nccl, the teardown can wait for collectives that the other ranks, stopped
+    elsewhere, never finish."""
+    class Exited(Exception):
+        pass
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    def exit_now(status):  # the real one never returns
+        events.append(f"exit {status}")
+        raise Exited
+
+    events = []
+    monkeypatch.setattr(train, "setup_distributed", lambda args: (1, 1, 2, torch.device("cpu")))
+    monkeypatch.setattr(train, "train", interrupted)
+    monkeypatch.setattr(train, "distributed", lambda: True)
+    monkeypatch.setattr(train.os, "_exit", exit_now)
+    monkeypatch.setattr(train.dist, "destroy_process_group", lambda: events.append("teardown"))
+    monkeypatch.setenv("RANK", "1")  # not rank 0: it says nothing
+    with pytest.raises(Exited):
+        train.main(["--dataset", "synthetic"])
+    assert events[0] == "exit 130", events
 
 
 def test_nccl_without_a_gpu_is_one_message_per_node():
