@@ -201,6 +201,9 @@ login_result() {
 
 main() {
   require_bash 4 4 # empty arrays under set -u
+  # Ctrl-C stops the whole run, also where the ssh it interrupts exits 255 as if
+  # refused (bash would go on to the next host).
+  trap 'exit 130' INT
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
   local ssh_command=() cmd=() public_key=
   local i width=4 result status failed=0 needs_key=() login_output
