@@ -285,6 +285,7 @@ def test_ctrl_c_in_a_terminal_stops_a_login_that_hangs(cluster, tmp_path):
     (home / ".bashrc").write_text("touch ~/login_started; sleep 120\n")
     pid, terminal = pty.fork()
     if pid == 0:  # in a session of its own, with the terminal as its controlling one
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell's foreground job has it
         os.execve(SETUP, [SETUP, "--key", tmp_path / "id_ed25519", hostfile], cluster.env())
     try:
         deadline = time.monotonic() + 20
