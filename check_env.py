@@ -50,6 +50,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
@@ -536,8 +537,9 @@ def reference_hosts(usable):
     references = {}
     for _, key, comparable in MUST_MATCH:
         values = [comparable(shown_value(report[key])) for _, report in usable]
-        most = max(map(values.count, values), default=0)
-        references[key] = next((host for host, value in zip(usable, values) if values.count(value) == most), None)
+        counts = Counter(values)
+        most = max(counts.values(), default=0)
+        references[key] = next((host for host, value in zip(usable, values) if counts[value] == most), None)
     return references
 
 

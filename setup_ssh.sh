@@ -122,18 +122,21 @@ ssh_for() {
     ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 
-# Runs "$@" for at most LOGIN_SECONDS where there is a timeout program (not on
-# macOS); exits 124 past it. --foreground: else ssh would run outside the
-# terminal's foreground group, where Ctrl-C misses it and a bastion's prompt
-# stops it.
-within_limit() {
+# Sets time_limit to the command that runs another for at most LOGIN_SECONDS
+# (exit 124 past it), where there is a timeout program (not on macOS).
+# --foreground: else ssh would run outside the terminal's foreground group,
+# where Ctrl-C misses it and a bastion's prompt stops it.
+choose_time_limit() {
   if timeout --foreground 1 true 2>/dev/null; then
-    timeout --foreground "$LOGIN_SECONDS" "$@"
+    time_limit=(timeout --foreground "$LOGIN_SECONDS")
   elif command -v timeout >/dev/null; then # BusyBox's, which has no --foreground
-    timeout "$LOGIN_SECONDS" "$@"
-  else
-    "$@"
+    time_limit=(timeout "$LOGIN_SECONDS")
   fi
+}
+
+# Runs "$@" under time_limit.
+within_limit() {
+  "${time_limit[@]}" "$@"
 }
 
 # Runs `true` in BatchMode on host number $1, with the extra ssh options
@@ -205,7 +208,7 @@ main() {
   # refused (bash would go on to the next host).
   trap 'exit 130' INT
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
-  local ssh_command=() cmd=() public_key=
+  local ssh_command=() cmd=() public_key='' time_limit=()
   local i width=4 result status failed=0 needs_key=() login_output
   local login_status=() login_outputs=() # each host's latest try_login
   while (($#)); do
@@ -225,6 +228,7 @@ main() {
     return 0
   fi
   read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  choose_time_limit
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
       "refuses the key asks for its password, and without a terminal fails" >&2
