@@ -158,7 +158,7 @@ def torch_facts(why_missing):
                     "name": props.name,
                     "memory_gib": round(props.total_memory / 2**30, 1),
                     "capability": f"{props.major}.{props.minor}",
-                    "torch_has_kernels": has_kernels_for(props.major, torch.cuda.get_arch_list()),
+                    "torch_has_kernels": has_kernels_for((props.major, props.minor), torch.cuda.get_arch_list()),
                 }
             )
     except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
@@ -172,11 +172,16 @@ def torch_facts(why_missing):
     return facts
 
 
-def has_kernels_for(major, arch_list):
-    """Whether a torch built for arch_list (["sm_80", "sm_90a", ...]) runs on a GPU of
-    compute capability major.x: as torch's own check has it, one of the same major."""
-    built = [int(match[1]) for match in (re.fullmatch(r"sm_(\d+)[a-z]?", arch) for arch in arch_list) if match]
-    return not built or any(sm // 10 == major for sm in built)  # none: ROCm's gfx names, or PTX alone
+def has_kernels_for(capability, arch_list):
+    """Whether a torch built for arch_list (["sm_80", "sm_90a", "compute_90", ...]) runs on a
+    GPU of compute capability (major, minor): machine code for its major and a minor up to
+    its own runs there (sm_80's on an 8.6, not sm_75's on a 7.0), and PTX for its
+    capability or below, which the driver compiles."""
+    built = [divmod(int(match[2]), 10) + (match[1],)
+             for match in (re.fullmatch(r"(sm|compute)_(\d+)[a-z]?", arch) for arch in arch_list) if match]
+    return not built or any(  # none: ROCm's gfx names
+        (major, minor) <= capability and (kind == "compute" or major == capability[0]) for major, minor, kind in built
+    )
 
 
 def cudnn_version_string(number):

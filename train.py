@@ -199,9 +199,16 @@ def setup_distributed(args):
         if not 0 <= local_rank < gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
             raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
                              f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
+        device = torch.device("cuda", local_rank)
+        built_for = torch_built_for(device)
+        if built_for:  # else every rank dies at its first kernel, "no kernel image is available"
+            major, minor = torch.cuda.get_device_capability(device)
+            raise UsageError(f"{socket.gethostname()}'s {torch.cuda.get_device_name(device)} "
+                             f"(compute capability {major}.{minor}) has no kernels in torch "
+                             f"{torch.__version__}, built for {built_for}: install a torch "
+                             "build whose CUDA supports this GPU")
         # Fix: the pattern never called set_device, so NCCL put every process's
         # buffers on GPU 0. It must come before init_process_group.
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
@@ -246,6 +253,22 @@ def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
     return (f"a GPU ({gpu}), but torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
             f"none: a driver too old for that CUDA, or updated without a reboot{shown}? "
             "(nvidia-smi tells)")
+
+
+def torch_built_for(gpu):
+    """The GPU architectures this torch has kernels for ("sm_80 sm_90"), where none of
+    them runs on gpu, else "". A GPU runs machine code built for its major compute
+    capability and a minor one up to its own (sm_80's on an 8.6, not sm_75's on a 7.0),
+    and PTX (compute_90) for its own capability or below, which the driver compiles.
+    A build that names neither (ROCm's gfx names) is taken to fit."""
+    major, minor = torch.cuda.get_device_capability(gpu)
+    built = [arch for arch in torch.cuda.get_arch_list() if arch.startswith(("sm_", "compute_"))]
+    for arch in built:
+        kind, number = arch.split("_")
+        built_for = divmod(int(number.rstrip("af")), 10)  # (sm_90a, sm_100f: variants)
+        if built_for <= (major, minor) and (kind == "compute" or built_for[0] == major):
+            return ""
+    return " ".join(built)
 
 
 def may_open(path):
@@ -862,6 +885,19 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
 
 # ----------------------------------------------------------------------------- train / eval
 
+def slow_amp(amp, device):
+    """Why --amp amp runs slower than fp32 on device, or None."""
+    if amp == "fp16" and device.type == "cpu":  # CPUs have few fast fp16 kernels
+        return ("--amp fp16 on the CPU is many times slower than fp32 (45x for cnn on a 2-CPU "
+                "VM); --amp bf16 is the fast one there")
+    if amp == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        # No bf16 units before Ampere: torch emulates it, and cuDNN has no bf16
+        # convolutions there, so they fall back to torch's own slow ones.
+        return (f"--amp bf16 on a {torch.cuda.get_device_name(device)}, older than Ampere, "
+                "is emulated and slow; --amp fp16 is the fast one there")
+    return None
+
+
 def autocast(args, device):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -1011,9 +1047,9 @@ def train(args, rank, local_rank, world_size, device):
             f"backend={dist.get_backend() if distributed() else 'none'} device={device} "
             f"arch={args.arch} dataset={args.dataset} amp={args.amp} global_batch="
             f"{per_step * world_size} steps_per_epoch={steps_per_epoch} total_steps={total_steps}")
-        if args.amp == "fp16" and device.type == "cpu":  # CPUs have few fast fp16 kernels
-            print("train.py: warning: --amp fp16 on the CPU is many times slower than fp32 "
-                  "(45x for cnn on a 2-CPU VM); --amp bf16 is the fast one there", file=sys.stderr)
+        slow = slow_amp(args.amp, device)
+        if slow:
+            print(f"train.py: warning: {slow}", file=sys.stderr)
         if step >= total_steps:
             log(f"nothing to train: {ckpt_path} is at step {step}, and this run ends at step "
                 f"{total_steps}")

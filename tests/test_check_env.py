@@ -171,16 +171,19 @@ def test_help_explains_the_options():
         assert text in result.stdout
 
 
-@pytest.mark.parametrize("major, arch_list, has_kernels", [
-    (9, ["sm_75", "sm_80", "sm_86", "sm_90"], True),
-    (8, ["sm_75", "sm_80", "sm_86", "sm_90"], True),  # an sm_89 runs sm_86's kernels
-    (12, ["sm_75", "sm_80", "sm_86", "sm_90"], False),
-    (9, ["sm_80", "sm_90a", "compute_90"], True),
-    (6, [], True),  # no list to go by
-    (9, ["gfx90a", "gfx942"], True),  # ROCm's: not CUDA's to judge
+@pytest.mark.parametrize("capability, arch_list, has_kernels", [
+    ((9, 0), ["sm_75", "sm_80", "sm_86", "sm_90"], True),
+    ((8, 9), ["sm_75", "sm_80", "sm_86", "sm_90"], True),  # an sm_89 runs sm_86's machine code
+    ((8, 0), ["sm_75", "sm_86", "sm_90"], False),  # but an sm_80 does not
+    ((7, 0), ["sm_75", "sm_80", "sm_90"], False),  # a V100 under CUDA 13's torch
+    ((12, 0), ["sm_75", "sm_80", "sm_86", "sm_90"], False),
+    ((12, 0), ["sm_80", "sm_90a", "compute_90"], True),  # PTX, compiled by the driver
+    ((8, 6), ["sm_90", "compute_90"], False),  # but only for 9.0 and up
+    ((6, 0), [], True),  # no list to go by
+    ((9, 0), ["gfx90a", "gfx942"], True),  # ROCm's: not CUDA's to judge
 ])
-def test_gpus_run_kernels_of_their_major_capability(major, arch_list, has_kernels):
-    assert check_env.has_kernels_for(major, arch_list) is has_kernels
+def test_gpus_run_kernels_built_for_their_capability(capability, arch_list, has_kernels):
+    assert check_env.has_kernels_for(capability, arch_list) is has_kernels
 
 
 def test_cudnn_version_is_readable():

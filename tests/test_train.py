@@ -700,6 +700,56 @@ def test_more_processes_than_gpus_stop_before_cuda(monkeypatch, capfd, env, mess
     assert bool(waited) == waits
 
 
+def fake_gpu(monkeypatch, capability, name="Tesla V100-SXM2-32GB"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize("capability, built, missing", [
+    ((7, 0), ["sm_75", "sm_80", "sm_90"], "sm_75 sm_80 sm_90"),  # a V100 under CUDA 13's torch
+    ((8, 6), ["sm_80", "sm_90"], ""),  # sm_80's machine code runs on an 8.6
+    ((8, 0), ["sm_75", "sm_86"], "sm_75 sm_86"),  # but not sm_86's on an 8.0
+    ((9, 0), ["sm_80", "sm_90a"], ""),
+    ((10, 3), ["sm_90", "sm_100f"], ""),
+    ((12, 0), ["sm_80", "sm_90", "compute_90"], ""),  # PTX, compiled by the driver
+    ((8, 6), ["sm_90", "compute_90"], "sm_90 compute_90"),  # but only for 9.0 and up
+    ((8, 0), ["gfx90a", "gfx942"], ""),  # ROCm's names
+])
+def test_torch_built_for_names_the_architectures_where_none_fits(monkeypatch, capability, built,
+                                                                  missing):
+    fake_gpu(monkeypatch, capability)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: built)
+    assert train.torch_built_for(torch.device("cuda", 0)) == missing
+
+
+def test_nccl_refuses_a_gpu_that_torch_has_no_kernels_for(monkeypatch, capfd):
+    """torch's own error comes from every rank at its first kernel, as a traceback."""
+    fake_gpu(monkeypatch, (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80"])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("reached set_device"))
+    monkeypatch.setattr(train.socket, "gethostname", lambda: "gpu-03")
+    assert main_in_process(capfd, "--dataset", "synthetic", backend="nccl") == (
+        1, "", "train.py: error: gpu-03's Tesla V100-SXM2-32GB (compute capability 7.0) has no "
+        f"kernels in torch {torch.__version__}, built for sm_75 sm_80: install a torch build "
+        "whose CUDA supports this GPU\n")
+
+
+@pytest.mark.parametrize("amp, device, capability, slow", [
+    ("fp16", "cpu", None, "--amp fp16 on the CPU is many times slower than fp32"),
+    ("bf16", "cpu", None, None),
+    ("bf16", "cuda", (7, 5), "--amp bf16 on a Tesla T4, older than Ampere, is emulated and slow"),
+    ("bf16", "cuda", (8, 0), None),
+    ("fp16", "cuda", (7, 5), None),
+])
+def test_slow_amp_warns_where_it_is_slower_than_fp32(monkeypatch, amp, device, capability, slow):
+    if capability:
+        fake_gpu(monkeypatch, capability, name="Tesla T4")
+    found = train.slow_amp(amp, torch.device(device))
+    assert found == slow if slow is None else found.startswith(slow), found
+
+
 def test_bad_arguments_under_torchrun_are_one_message_per_node():
     result = torchrun(2, "--dataset", "synthetic", "--bogus", timeout=60)
     assert result.returncode != 0
