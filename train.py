@@ -878,7 +878,8 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
         if my_split != their_split:
             how += (f", as {describe_split(my_split)} instead of {describe_split(their_split)}: "
                     "the same global batches in the same order (but for the padding of each "
-                    "epoch's last), not bitwise the same run")
+                    "epoch's last), " + ("with new random states, " if saved_rng is None else "")
+                    + "not bitwise the same run")
         log(f"resumed from {path} at step {checkpoint['step']}{how}")
     return checkpoint["step"]
 
