@@ -34,6 +34,7 @@ if sys.version_info < (3, 10):  # say so, where `--python python3` finds an old 
 import argparse
 import base64
 import contextlib
+import ctypes
 import errno
 import ipaddress
 import json
@@ -65,6 +66,7 @@ CAP_IPC_LOCK = 14  # its bit in /proc/self/status's CapEff: RDMA may pin memory 
 # All-reduce benchmark. Every wait is bounded so that a node that cannot reach
 # the others ends the run with a message instead of hanging it.
 ALLREDUCE_SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as nccl-tests' -b 1K -e 64M -f 4
+ALLREDUCE_SIZES_NCCL = ALLREDUCE_SIZES + [256 * 2**20, 2**30]  # NVLink and InfiniBand near their peak
 ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
 ALLREDUCE_WARMUPS = 3  # untimed all-reduces per size: the first sets up the connections' buffers
 RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store after this
@@ -144,7 +146,7 @@ def torch_facts(why_missing):
         if cudnn is None:
             why_missing["cudnn"] = "torch has no cuDNN"
     try:
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        facts["nccl"] = nccl_version(torch)
     except Exception as exc:  # CPU-only builds have no NCCL to ask
         why_missing["nccl"] = describe(exc)
     facts["gloo_available"] = dist.is_available() and dist.is_gloo_available()
@@ -163,6 +165,10 @@ def torch_facts(why_missing):
             )
     except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
         facts["gpus"], why_missing["gpus"] = [], describe(exc)
+    if not facts["gpus"] and "gpus" not in why_missing:
+        unusable = gpus_torch_cannot_use(torch)
+        if unusable:
+            why_missing["gpus"] = unusable
     try:
         import torchvision
 
@@ -170,6 +176,35 @@ def torch_facts(why_missing):
     except Exception as exc:
         why_missing["torchvision"] = f"torchvision does not import: {describe(exc)}"
     return facts
+
+
+def gpus_torch_cannot_use(torch, dev=Path("/dev")):
+    """Why torch sees no GPU where this process may open an NVIDIA GPU's device, or None
+    where none may be opened (a container or a scheduler's job given none), or
+    CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1). torch counts 0 GPUs, and
+    raises nothing, where the driver fails: updated without a reboot, say."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.version.hip or hidden in ("", "-1"):
+        return None
+    gpu = next((path for path in sorted(dev.glob("nvidia[0-9]*")) if may_open(path)), None)
+    if gpu is None:
+        return None
+    if torch.version.cuda is None:
+        return f"{gpu} is here, but torch {torch.__version__} is a CPU-only build"
+    try:
+        torch.cuda.init()  # raises what the count kept to a warning
+        why = "torch sees none"
+    except Exception as exc:
+        why = describe(exc)
+    return f"{gpu} is here, but {why}" + ("" if hidden is None else f" (CUDA_VISIBLE_DEVICES={hidden})")
+
+
+def may_open(path):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        return True
+    except OSError:  # absent, or denied (a cgroup that keeps a job from other jobs' GPUs)
+        return False
 
 
 def has_kernels_for(capability, arch_list):
@@ -182,6 +217,28 @@ def has_kernels_for(capability, arch_list):
     return not built or any(  # none: ROCm's gfx names
         (major, minor) <= capability and (kind == "compute" or major == capability[0]) for major, minor, kind in built
     )
+
+
+def nccl_version(torch, maps=Path("/proc/self/maps")):
+    """The version of the NCCL library this process loaded, where torch loads one, else of
+    the NCCL torch was built with. torch.cuda.nccl.version() gives the latter alone, alike
+    on every host, even where one loads another (a pip install -U nvidia-nccl-cu13), and
+    NCCL refuses to start with another version on another host."""
+    mapped = ""
+    with contextlib.suppress(OSError):  # no /proc: macOS
+        mapped = maps.read_text()
+    loaded = re.search(r"\s(/\S*/libnccl\.so[.\d]*)$", mapped, re.M)
+    if loaded is None:
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    number = ctypes.c_int()
+    ctypes.CDLL(loaded[1]).ncclGetVersion(ctypes.byref(number))
+    return nccl_version_string(number.value)
+
+
+def nccl_version_string(number):
+    """23007 -> "2.30.7". NCCL from 2.9 encodes its version as M*10000+m*100+p, before as M*1000+m*100+p."""
+    major, rest = divmod(number, 10000 if number >= 20900 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def cudnn_version_string(number):
@@ -915,7 +972,8 @@ def allreduce_worker():
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         device_id=device if backend == "nccl" else None,  # binds NCCL to this rank's GPU
     )
-    rows = [time_allreduce(size, device, rank, world) for size in ALLREDUCE_SIZES]
+    sizes = ALLREDUCE_SIZES_NCCL if backend == "nccl" else ALLREDUCE_SIZES
+    rows = [time_allreduce(size, device, rank, world) for size in sizes]
     if rank == 0:
         result = {"backend": backend, "world_size": world, "rows": rows}
         print(RESULT_MARKER + json.dumps(result), flush=True)
@@ -1165,9 +1223,12 @@ def explain_node_failure(hosts, failed, outputs, endpoint):
         why = "the all-reduce failed"
     # The exception lines say what happened; torchrun's tracebacks around them do not. A
     # worker killed by a signal raises nothing: torchrun's report says which signal.
-    said = [line.strip() for line in output.splitlines()
-            if re.match(r"[\w.]+(Error|Exception): \S|\s+exitcode +: |\s+traceback +: Signal", line)]
-    details = "\n".join(said[-3:]) or tail(output)
+    # Once its process group exists, torch prefixes a rank's traceback lines with "[rankN]: ".
+    # NCCL gives its cause on the line after "Last error:".
+    text = re.sub(r"^\[rank\d+\]: ", "", output, flags=re.M).replace("Last error:\n", "Last error: ")
+    said = [line.strip() for line in text.splitlines()
+            if re.match(r"[\w.]+(Error|Exception): \S|Last error: \S|\s+exitcode +: |\s+traceback +: Signal", line)]
+    details = "\n".join(said[-4:]) or tail(output)
     return f"{hosts[failed].entry}: {why}\n{details}"
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -186,9 +187,66 @@ def test_gpus_run_kernels_built_for_their_capability(capability, arch_list, has_
     assert check_env.has_kernels_for(capability, arch_list) is has_kernels
 
 
+def fake_torch(cuda="13.0", init_error=None):
+    """As much of torch as gpus_torch_cannot_use reads: it counted no GPU."""
+    def init():
+        if init_error:
+            raise init_error
+    return SimpleNamespace(__version__="2.14.1", version=SimpleNamespace(cuda=cuda, hip=None),
+                           cuda=SimpleNamespace(init=init))
+
+
+NO_DRIVER = RuntimeError("Found no NVIDIA driver on your system.")
+
+
+@pytest.mark.parametrize("devices, visible, torch, why", [
+    (["nvidia0"], None, fake_torch(init_error=NO_DRIVER),
+     "{dev}/nvidia0 is here, but RuntimeError: Found no NVIDIA driver on your system."),
+    (["nvidia0"], "GPU-5e1f", fake_torch(init_error=RuntimeError("No CUDA GPUs are available")),
+     "{dev}/nvidia0 is here, but RuntimeError: No CUDA GPUs are available (CUDA_VISIBLE_DEVICES=GPU-5e1f)"),
+    (["nvidia0"], None, fake_torch(cuda=None), "{dev}/nvidia0 is here, but torch 2.14.1 is a CPU-only build"),
+    (["nvidia0"], "", fake_torch(init_error=NO_DRIVER), None),  # hidden on purpose
+    (["nvidia0"], "-1", fake_torch(init_error=NO_DRIVER), None),
+    (["nvidiactl"], None, fake_torch(init_error=NO_DRIVER), None),  # no GPU's device to open
+], ids=["driver_fails", "visible_names_none", "cpu_build", "hidden", "hidden_minus_one", "no_gpu"])
+def test_gpus_that_torch_cannot_use_are_named(tmp_path, monkeypatch, devices, visible, torch, why):
+    """torch counts 0 GPUs, and raises nothing, where the driver fails: it only warns."""
+    for name in devices:
+        (tmp_path / name).touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    expected = why and why.format(dev=tmp_path)
+    assert check_env.gpus_torch_cannot_use(torch, dev=tmp_path) == expected
+
+
 def test_cudnn_version_is_readable():
     assert check_env.cudnn_version_string(92400) == "9.24.0"
     assert check_env.cudnn_version_string(8902) == "8.9.2"
+
+
+@pytest.mark.parametrize("mapped, version", [
+    ("7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 42 /venv/site-packages/nvidia/nccl/lib/libnccl.so.2\n",
+     "2.28.9"),  # what the library says
+    ("7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 42 /venv/site-packages/torch/lib/libtorch_cuda.so\n",
+     "2.27.3"),  # NCCL linked into torch: torch's word
+])
+def test_nccl_version_is_the_loaded_librarys(tmp_path, monkeypatch, mapped, version):
+    """torch.cuda.nccl.version() is the NCCL torch was built with, alike on every host."""
+    class Library:
+        def __init__(self, path):
+            assert path == "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"
+
+        def ncclGetVersion(self, number):
+            number._obj.value = 22809
+
+    monkeypatch.setattr(check_env.ctypes, "CDLL", Library)
+    maps = tmp_path / "maps"
+    maps.write_text(mapped)
+    torch = SimpleNamespace(cuda=SimpleNamespace(nccl=SimpleNamespace(version=lambda: (2, 27, 3))))
+    assert check_env.nccl_version(torch, maps) == version
+    assert check_env.nccl_version_string(23007) == "2.30.7"
+    assert check_env.nccl_version_string(2708) == "2.7.8"  # before 2.9
 
 
 # --------------------------------------------------------------------------
@@ -833,6 +891,26 @@ def test_allreduce_says_so_when_check_env_is_not_on_every_host(monkeypatch, tmp_
         "must be at that path on every host (a shared filesystem or the same image); it is not on: localhost" in message
     )
     assert str(absent) in message
+
+
+def test_an_allreduce_error_is_shown_without_torchs_rank_prefix():
+    # A worker's exception after init_process_group, as torch's excepthook prints it.
+    output = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "/opt/check_env.py", line 1010, in allreduce_worker
+[rank1]:     dist.all_reduce(x)
+[rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3401, unhandled system error
+[rank1]: ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error.
+[rank1]: Last error:
+[rank1]: NET/IB : Unable to register memory
+  exitcode  : 1 (pid: 4242)
+"""
+    hosts = [check_env.Host(name, None, name, None, False) for name in ("node1", "node2")]
+    assert check_env.explain_node_failure(hosts, 1, ["", output], "10.0.0.1:29500") == (
+        "node2: the all-reduce failed\n"
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3401, unhandled system error\n"
+        "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error.\n"
+        "Last error: NET/IB : Unable to register memory\n"
+        "exitcode  : 1 (pid: 4242)")
 
 
 def test_a_worker_killed_in_the_allreduce_is_explained_by_its_signal():

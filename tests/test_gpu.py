@@ -4,6 +4,7 @@ machine, run them with REQUIRE_GPU_TESTS=1: a driver too old for this torch, or 
 CUDA_VISIBLE_DEVICES, hides the GPUs from torch, and the skip then fails instead."""
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -95,3 +96,4 @@ def test_check_env_times_nccl(tmp_path):
     assert_ok(result)
     assert f"all-reduce, float32 sum, nccl, 1 node(s), {gpus} ranks" in result.stdout
     assert "WRONG SUM" not in result.stdout
+    assert re.search(r"^ +1024 MiB ", result.stdout, re.M), result.stdout  # nccl's sizes go to 1 GiB
