@@ -225,12 +225,18 @@ def simulated_cluster(n_hosts):
     return cluster.simulated_cluster(n_hosts)
 
 
+def unwind_on_sigterm():
+    """End the run on SIGTERM (timeout(1)'s, say) by unwinding, so that what it started
+    is stopped and removed (finish()'s child processes, temporary files, the simulated
+    cluster) rather than left behind by Python's default death."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def limit_run_time(seconds):
-    """End the run by unwinding (so the simulated cluster is removed) on SIGTERM, and
-    after `seconds` at the latest."""
+    """unwind_on_sigterm(), and end the run the same way after `seconds` at the latest."""
     def too_long(*_):
         raise TimeoutError(f"{Path(sys.argv[0]).name} ran past its own limit of {seconds} s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     signal.signal(signal.SIGALRM, too_long)
     signal.alarm(seconds)
 
@@ -275,8 +281,10 @@ class Launched:
         # Every process launch.sh starts here carries the mark, also in a session of its own.
         mark = os.urandom(8).hex()
         self.mark = f"BENCH_LAUNCH={mark}".encode()
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               "OMP_NUM_THREADS": "1", "SSH_COMMAND": cluster.ssh_command, "BENCH_LAUNCH": mark}
+        # cluster.env() hides the GPUs, as the tests do: the simulated hosts share this
+        # machine's, where nccl would put every one of them on GPU 0.
+        env = cluster.env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                          OMP_NUM_THREADS="1", BENCH_LAUNCH=mark)
         self.lines, self.done = [], False
         self._changed = threading.Condition()
         self.started = clock()

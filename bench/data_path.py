@@ -12,7 +12,7 @@ import time
 
 from common import (MNIST_TRAIN_SAMPLES, PATTERN_BATCH_SIZE, QUICK_TRAIN_SAMPLES, bench_device,
                     mnist_files, pattern_batches, pattern_loader, print_machine, print_table, sync,
-                    train, train_py_data, verdict)
+                    train, train_py_data, unwind_on_sigterm, verdict)
 
 TARGET = {"cpu": 5.0, "cuda": 20.0}
 
@@ -43,6 +43,7 @@ def best_samples_per_sec(epoch, repeats, device):
 
 
 def main():
+    unwind_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",

@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from common import (MNIST_TRAIN_SAMPLES, finish, mnist_files, pattern_samples_per_sec,
-                    print_machine, print_table, start, train_command, verdict)
+                    print_machine, print_table, start, train_command, unwind_on_sigterm, verdict)
 
 TARGET = 0.25
 STEPS, QUICK_STEPS = 200, 20  # enough for the pattern's 8 workers to fill their prefetch queues
@@ -86,6 +86,7 @@ def main():
     device = torch.device("cpu")
     if args.pattern_rank:
         return pattern_samples_per_sec(args.pattern_rank, "cnn", steps, device, args.start_method)
+    unwind_on_sigterm()
     print_machine()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # for every run measured below
     # The full training set even with --quick: its size is what the data paths hold.

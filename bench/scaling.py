@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (MNIST_TRAIN_SAMPLES, QUICK_TRAIN_SAMPLES, finish, mnist_files, print_machine,
-                    print_table, start, train, train_samples_per_sec, verdict)
+                    print_table, start, train, train_samples_per_sec, unwind_on_sigterm, verdict)
 
 TARGET = 0.85
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -267,6 +267,7 @@ def main():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    unwind_on_sigterm()  # (the parent only: torchrun stops the workers)
     print_machine()
     rounds, steps = (1, 10) if args.quick else (3, 200)
     with mnist_files(QUICK_TRAIN_SAMPLES if args.quick else MNIST_TRAIN_SAMPLES) as root:

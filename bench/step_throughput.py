@@ -14,13 +14,14 @@ import argparse
 
 from common import (MNIST_TRAIN_SAMPLES, PATTERN_BATCH_SIZE, QUICK_TRAIN_SAMPLES, bench_device,
                     mnist_files, pattern_samples_per_sec, print_machine, print_table,
-                    train_samples_per_sec)
+                    train_samples_per_sec, unwind_on_sigterm)
 
 STEPS = {"cnn": 300, "resnet18": 40}  # sized for the whole run to take under 2 minutes on 2 cores
 QUICK_STEPS = {"cnn": 10, "resnet18": 3}
 
 
 def main():
+    unwind_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",

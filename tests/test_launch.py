@@ -23,7 +23,7 @@ TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
 ODD_ARG = "two words 'quoted' \"double\" $(touch x) `touch y` ; * a\\b \\' !1 %s"
 LOGIN_SHELLS = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
 UNTIL_STOPPED = ["--epochs", "1000", "--log-every", "5"]
-SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh", "lib/node.sh")
+SHELL_SCRIPTS = ("launch.sh", "setup_ssh.sh", "lib/hosts.sh", "lib/node.sh", "bench/gpu.sh")
 
 cluster = cluster_fixture(n_hosts=3)
 
