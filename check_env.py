@@ -62,11 +62,13 @@ CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
 REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
 PATIENCE_S = 10  # then check_env.py names the hosts it is still waiting for
 CAP_IPC_LOCK = 14  # its bit in /proc/self/status's CapEff: RDMA may pin memory past ulimit -l
+ARCH_NAME = re.compile(r"(sm|compute)_(\d+)([af]?)")  # in torch.cuda.get_arch_list()
 
 # All-reduce benchmark. Every wait is bounded so that a node that cannot reach
 # the others ends the run with a message instead of hanging it.
 ALLREDUCE_SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as nccl-tests' -b 1K -e 64M -f 4
 ALLREDUCE_SIZES_NCCL = ALLREDUCE_SIZES + [256 * 2**20, 2**30]  # NVLink and InfiniBand near their peak
+ALLREDUCE_SLOW_S = 0.05  # ... unless 64 MiB took longer than this (10 GbE takes about 0.1 s)
 ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
 ALLREDUCE_WARMUPS = 3  # untimed all-reduces per size: the first sets up the connections' buffers
 RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store after this
@@ -182,7 +184,8 @@ def gpus_torch_cannot_use(torch, dev=Path("/dev")):
     """Why torch sees no GPU where this process may open an NVIDIA GPU's device, or None
     where none may be opened (a container or a scheduler's job given none), or
     CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1). torch counts 0 GPUs, and
-    raises nothing, where the driver fails: updated without a reboot, say."""
+    raises nothing, where the driver fails: updated without a reboot, say. (train.py's
+    --backend auto refuses the same; each file stands alone, so each has its own copy.)"""
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if torch.version.hip or hidden in ("", "-1"):
         return None
@@ -193,10 +196,9 @@ def gpus_torch_cannot_use(torch, dev=Path("/dev")):
         return f"{gpu} is here, but torch {torch.__version__} is a CPU-only build"
     try:
         torch.cuda.init()  # raises what the count kept to a warning
-        why = "torch sees none"
     except Exception as exc:
-        why = describe(exc)
-    return f"{gpu} is here, but {why}" + ("" if hidden is None else f" (CUDA_VISIBLE_DEVICES={hidden})")
+        return f"{gpu} is here, but {describe(exc)}" + ("" if hidden is None else f" (CUDA_VISIBLE_DEVICES={hidden})")
+    return None
 
 
 def may_open(path):
@@ -209,14 +211,24 @@ def may_open(path):
 
 def has_kernels_for(capability, arch_list):
     """Whether a torch built for arch_list (["sm_80", "sm_90a", "compute_90", ...]) runs on a
-    GPU of compute capability (major, minor): machine code for its major and a minor up to
-    its own runs there (sm_80's on an 8.6, not sm_75's on a 7.0), and PTX for its
-    capability or below, which the driver compiles."""
-    built = [divmod(int(match[2]), 10) + (match[1],)
-             for match in (re.fullmatch(r"(sm|compute)_(\d+)[a-z]?", arch) for arch in arch_list) if match]
-    return not built or any(  # none: ROCm's gfx names
-        (major, minor) <= capability and (kind == "compute" or major == capability[0]) for major, minor, kind in built
-    )
+    GPU of compute capability (major, minor); a list with none of these (ROCm's gfx names)
+    is taken to fit."""
+    built = [arch for arch in arch_list if ARCH_NAME.fullmatch(arch)]
+    return not built or any(arch_runs_on(arch, capability) for arch in built)
+
+
+def arch_runs_on(arch, capability):
+    """Whether kernels built for arch run on a GPU of capability (major, minor). Machine code
+    for X.Y runs on X.Z, Z >= Y (sm_80's on an 8.6, not sm_75's on a 7.0); "a" code (sm_90a)
+    on X.Y alone; PTX (compute_90), which the driver compiles, on X.Y and newer. (train.py
+    has the same, to refuse such a GPU: each file stands alone.)"""
+    kind, number, suffix = ARCH_NAME.fullmatch(arch).groups()
+    built = divmod(int(number), 10)
+    if suffix == "a":
+        return built == capability
+    if kind == "compute" and not suffix:
+        return built <= capability
+    return built[0] == capability[0] and built[1] <= capability[1]  # (and "f": sm_100f)
 
 
 def nccl_version(torch, maps=Path("/proc/self/maps")):
@@ -231,7 +243,8 @@ def nccl_version(torch, maps=Path("/proc/self/maps")):
     if loaded is None:
         return ".".join(map(str, torch.cuda.nccl.version()))
     number = ctypes.c_int()
-    ctypes.CDLL(loaded[1]).ncclGetVersion(ctypes.byref(number))
+    if ctypes.CDLL(loaded[1]).ncclGetVersion(ctypes.byref(number)) != 0:  # not ncclSuccess
+        raise RuntimeError(f"ncclGetVersion failed in {loaded[1]}")
     return nccl_version_string(number.value)
 
 
@@ -972,8 +985,13 @@ def allreduce_worker():
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         device_id=device if backend == "nccl" else None,  # binds NCCL to this rank's GPU
     )
-    sizes = ALLREDUCE_SIZES_NCCL if backend == "nccl" else ALLREDUCE_SIZES
-    rows = [time_allreduce(size, device, rank, world) for size in sizes]
+    rows = []
+    for size in ALLREDUCE_SIZES_NCCL if backend == "nccl" else ALLREDUCE_SIZES:
+        # A link that takes this long is at its peak by 64 MiB, and 1 GiB over it would
+        # take longer than the run may (the time is the slowest rank's: all stop alike).
+        if size > ALLREDUCE_SIZES[-1] and rows[-1]["seconds"] > ALLREDUCE_SLOW_S:
+            break
+        rows.append(time_allreduce(size, device, rank, world))
     if rank == 0:
         result = {"backend": backend, "world_size": world, "rows": rows}
         print(RESULT_MARKER + json.dumps(result), flush=True)
@@ -1261,7 +1279,7 @@ def parse_args(argv):
     parser.add_argument(
         "--allreduce",
         action="store_true",
-        help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB); "
+        help="after the comparison, time all-reduce across all hosts (1 KiB..64 MiB, on nccl to 1 GiB); "
         "without --hosts, between this machine's processes (its GPUs, say)",
     )
     # Internal: what runs torchrun on each host, and what torchrun runs on each rank, for --allreduce.

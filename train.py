@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pickle
+import re
 import socket
 import struct
 import sys
@@ -44,6 +45,7 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 EVAL_BATCH_SIZE = 1024
 DOWNLOAD_STALL_SECONDS = 60  # a download that receives nothing for this long fails
+ARCH_NAME = re.compile(r"(sm|compute)_(\d+)([af]?)")  # in torch.cuda.get_arch_list()
 # Arguments a resumed run may change: how long it runs, where it reads and writes, what it
 # prints, and how processes meet. All others (any you add, too) fix the training trajectory:
 # a checkpoint resumes only a run that agrees on them. The batch size and accumulation may
@@ -200,13 +202,13 @@ def setup_distributed(args):
             raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
                              f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
         device = torch.device("cuda", local_rank)
-        built_for = torch_built_for(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        built_for = torch_built_for((major, minor))
         if built_for:  # else every rank dies at its first kernel, "no kernel image is available"
-            major, minor = torch.cuda.get_device_capability(device)
             raise UsageError(f"{socket.gethostname()}'s {torch.cuda.get_device_name(device)} "
                              f"(compute capability {major}.{minor}) has no kernels in torch "
                              f"{torch.__version__}, built for {built_for}: install a torch "
-                             "build whose CUDA supports this GPU")
+                             f"build with kernels for sm_{major}{minor}")
         # Fix: the pattern never called set_device, so NCCL put every process's
         # buffers on GPU 0. It must come before init_process_group.
         torch.cuda.set_device(device)
@@ -255,20 +257,28 @@ def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
             "(nvidia-smi tells)")
 
 
-def torch_built_for(gpu):
+def torch_built_for(capability):
     """The GPU architectures this torch has kernels for ("sm_80 sm_90"), where none of
-    them runs on gpu, else "". A GPU runs machine code built for its major compute
-    capability and a minor one up to its own (sm_80's on an 8.6, not sm_75's on a 7.0),
-    and PTX (compute_90) for its own capability or below, which the driver compiles.
-    A build that names neither (ROCm's gfx names) is taken to fit."""
-    major, minor = torch.cuda.get_device_capability(gpu)
-    built = [arch for arch in torch.cuda.get_arch_list() if arch.startswith(("sm_", "compute_"))]
-    for arch in built:
-        kind, number = arch.split("_")
-        built_for = divmod(int(number.rstrip("af")), 10)  # (sm_90a, sm_100f: variants)
-        if built_for <= (major, minor) and (kind == "compute" or built_for[0] == major):
-            return ""
+    them runs on a GPU of compute capability (major, minor), else "". A build that names
+    none (ROCm's gfx names) is taken to fit."""
+    built = [arch for arch in torch.cuda.get_arch_list() if ARCH_NAME.fullmatch(arch)]
+    if not built or any(arch_runs_on(arch, capability) for arch in built):
+        return ""
     return " ".join(built)
+
+
+def arch_runs_on(arch, capability):
+    """Whether kernels built for arch ("sm_80", "sm_90a", "compute_90") run on a GPU of
+    capability (major, minor). Machine code for X.Y runs on X.Z, Z >= Y (sm_80's on an 8.6,
+    not sm_75's on a 7.0); "a" code (sm_90a) on X.Y alone; PTX (compute_90), which the
+    driver compiles, on X.Y and newer."""
+    kind, number, suffix = ARCH_NAME.fullmatch(arch).groups()
+    built = divmod(int(number), 10)
+    if suffix == "a":
+        return built == capability
+    if kind == "compute" and not suffix:
+        return built <= capability
+    return built[0] == capability[0] and built[1] <= capability[1]  # (and "f": sm_100f)
 
 
 def may_open(path):

@@ -7,7 +7,7 @@
 # with the python3 on PATH. Each runs under a time limit of its own, so that
 # one that hangs leaves time for the rest. Its output goes to OUTDIR/NAME.txt,
 # and its exit status and seconds to OUTDIR/status.txt; OUTDIR/machine.txt
-# names the GPU, Python and torch. About 5 minutes on an H100 (estimated).
+# names the GPU, Python and torch. 10 minutes at most (the limits' sum).
 
 set -euo pipefail
 
@@ -36,6 +36,7 @@ main() {
   fi
   out=$(realpath -m -- "$1")
   mkdir -p -- "$out"
+  : >"$out/status.txt"
   cd -- "$(dirname -- "$0")/.."
   export PYTHONUNBUFFERED=1 REQUIRE_GPU_TESTS=1
   {

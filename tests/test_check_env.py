@@ -180,6 +180,9 @@ def test_help_explains_the_options():
     ((12, 0), ["sm_75", "sm_80", "sm_86", "sm_90"], False),
     ((12, 0), ["sm_80", "sm_90a", "compute_90"], True),  # PTX, compiled by the driver
     ((8, 6), ["sm_90", "compute_90"], False),  # but only for 9.0 and up
+    ((12, 0), ["sm_90", "compute_90a"], False),  # and "a" PTX for 9.0 alone
+    ((10, 3), ["sm_90", "sm_100a"], False),  # "a" machine code runs on its own X.Y alone
+    ((10, 3), ["sm_90", "sm_100f"], True),  # "f" code on its family's
     ((6, 0), [], True),  # no list to go by
     ((9, 0), ["gfx90a", "gfx942"], True),  # ROCm's: not CUDA's to judge
 ])
@@ -239,12 +242,16 @@ def test_nccl_version_is_the_loaded_librarys(tmp_path, monkeypatch, mapped, vers
 
         def ncclGetVersion(self, number):
             number._obj.value = 22809
+            return 0  # ncclSuccess
 
     monkeypatch.setattr(check_env.ctypes, "CDLL", Library)
     maps = tmp_path / "maps"
     maps.write_text(mapped)
     torch = SimpleNamespace(cuda=SimpleNamespace(nccl=SimpleNamespace(version=lambda: (2, 27, 3))))
     assert check_env.nccl_version(torch, maps) == version
+
+
+def test_nccl_version_is_readable():
     assert check_env.nccl_version_string(23007) == "2.30.7"
     assert check_env.nccl_version_string(2708) == "2.7.8"  # before 2.9
 
