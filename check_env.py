@@ -157,14 +157,19 @@ def torch_facts(why_missing):
     try:
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            facts["gpus"].append(
-                {
-                    "name": props.name,
-                    "memory_gib": round(props.total_memory / 2**30, 1),
-                    "capability": f"{props.major}.{props.minor}",
-                    "torch_has_kernels": has_kernels_for((props.major, props.minor), torch.cuda.get_arch_list()),
-                }
-            )
+            gpu = {
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+                "torch_has_kernels": has_kernels_for((props.major, props.minor), torch.cuda.get_arch_list()),
+            }
+            try:
+                # Starts a context there, as a job's first CUDA call does: that fails on a GPU
+                # that another process holds in exclusive mode, or one that needs a reset.
+                gpu["free_gib"] = round(torch.cuda.mem_get_info(i)[0] / 2**30, 1)
+            except Exception as exc:
+                gpu["error"] = describe(exc)
+            facts["gpus"].append(gpu)
     except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
         facts["gpus"], why_missing["gpus"] = [], describe(exc)
     if not facts["gpus"] and "gpus" not in why_missing:
@@ -543,6 +548,7 @@ def find_problems(labels, reports, nproc=None):
             else:
                 problems += gpu_shortage(label, report, nproc, uses_gpus)
                 problems += gpus_without_kernels(label, report)
+                problems += gpus_taken(label, report)
             if len(reports) > 1:  # RDMA carries traffic between hosts only
                 problems += locked_memory_problem(label, report)
             problems += differences(label, report, references, uses_gpus)
@@ -582,6 +588,19 @@ def gpu_shortage(label, report, nproc, uses_gpus):
     if nproc is None:
         return [f"{label}: no GPU visible, but other hosts have GPUs (nccl and gloo do not mix)"]
     return [f"{label}: --nproc {nproc} but only {count} GPU(s) visible"]
+
+
+def gpus_taken(label, report):
+    """GPUs where a context cannot start, or whose memory other processes mostly hold: a
+    job's, maybe one that outlived its job. (A context takes about 0.5 GiB itself.)"""
+    problems = []
+    for i, gpu in enumerate(report["gpus"]):
+        if "error" in gpu:
+            problems.append(f"{label}: GPU {i} ({gpu['name']}) cannot be used: {gpu['error']}")
+        elif gpu.get("free_gib", gpu["memory_gib"]) < gpu["memory_gib"] / 2:
+            problems.append(f"{label}: GPU {i} ({gpu['name']}) has {gpu['free_gib']} GiB free of {gpu['memory_gib']}: "
+                            "other processes hold the rest (a job's, or one left from an earlier job? nvidia-smi)")
+    return problems
 
 
 def gpus_without_kernels(label, report):

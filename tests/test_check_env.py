@@ -303,10 +303,17 @@ def without_torch(name, address):
 
 
 def gpus(n):
-    return [{"name": "NVIDIA H100", "memory_gib": 79.1, "capability": "9.0", "torch_has_kernels": True}] * n
+    return [{"name": "NVIDIA H100", "memory_gib": 79.1, "capability": "9.0", "torch_has_kernels": True,
+             "free_gib": 78.6}] * n
+
+
+def gpus_with(n, **second):
+    """n GPUs, the second with the values given."""
+    return [gpu if i != 1 else {**gpu, **second} for i, gpu in enumerate(gpus(n))]
 
 
 LABELS = ["a", "b", "c"]
+BUSY = "CUDA-capable device(s) is/are busy or unavailable"  # (CUDA's words)
 
 
 def with_interfaces(report, *interfaces):
@@ -391,6 +398,15 @@ def three_hosts(b=None, c=None):
             None,
             [],
         ),
+        (  # a GPU held by another process, in exclusive mode; one whose memory others hold
+            [host_report(n, f"10.0.0.{i}/24", gpus=g) for i, (n, g) in enumerate(zip(LABELS, [
+                gpus(4), gpus_with(4, error=f"RuntimeError: CUDA error: {BUSY}"), gpus_with(4, free_gib=3.2)]), 1)],
+            None,
+            [f"b: GPU 1 (NVIDIA H100) cannot be used: RuntimeError: CUDA error: {BUSY}",
+             "c: GPU 1 (NVIDIA H100) has 3.2 GiB free of 79.1: other processes hold the rest (a job's, or one left "
+             "from an earlier job? nvidia-smi)"],
+        ),
+        ([host_report(n, f"10.0.0.{i}/24", gpus=gpus_with(2, free_gib=40)) for i, n in enumerate(LABELS, 1)], None, []),
         (  # a GPU newer than any this torch was built for
             [host_report(n, f"10.0.0.{i}/24", torch="2.5.1+cu124", gpus=g) for i, (n, g) in enumerate(zip(
                 LABELS, [gpus(1), gpus(1), [{"name": "NVIDIA GeForce RTX 5090", "memory_gib": 31.4,
@@ -475,6 +491,8 @@ def three_hosts(b=None, c=None):
         "nproc-gpus",
         "rdma-locked-memory",
         "rdma-one-host",
+        "gpus-taken",
+        "gpus-half-free",
         "gpu-without-kernels",
         "gpu-cpu-mix",
         "cpu-nproc",

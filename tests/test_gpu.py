@@ -83,6 +83,7 @@ def test_check_env_reports_the_gpus():
     assert_ok(report)
     report = json.loads(report.stdout)
     assert len(report["gpus"]) == torch.cuda.device_count()
+    assert all(gpu["free_gib"] > gpu["memory_gib"] / 2 for gpu in report["gpus"]), report["gpus"]  # a context started
     assert report["nccl"] and report["nccl_available"]
 
 
