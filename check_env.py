@@ -112,6 +112,7 @@ def gather_report():
         "driver": nvidia_driver_version(why_missing),
         "interfaces": interface_addresses(why_missing),
         "rdma_devices": rdma_devices(),
+        "rdma_ports_inactive": rdma_ports_inactive(),
         "locked_memory": locked_memory_limit(),
         "env": {k: v for k, v in sorted(os.environ.items()) if SHOWN_ENV.fullmatch(k)},
         # "client-address client-port server-address server-port" when run over SSH: the
@@ -286,6 +287,18 @@ def rdma_devices():
     return []
 
 
+def rdma_ports_inactive(devices=Path("/sys/class/infiniband")):
+    """The RDMA ports that are not up ("mlx5_1 port 1 DOWN"). NCCL leaves them out: a host
+    with fewer than the others holds the whole job to its bandwidth."""
+    inactive = []
+    for state_file in sorted(devices.glob("*/ports/*/state")):
+        with contextlib.suppress(OSError):
+            state = state_file.read_text().split(":")[-1].strip()  # "4: ACTIVE"
+            if state != "ACTIVE":
+                inactive.append(f"{state_file.parts[-4]} port {state_file.parts[-2]} {state}")
+    return inactive
+
+
 def locked_memory_limit():
     """ulimit -l in bytes, or "unlimited": what RDMA may pin. Over SSH it comes from sshd's
     limits, which need not be the ones a scheduler's jobs get. CAP_IPC_LOCK (root's, say)
@@ -359,7 +372,9 @@ def show_rdma(report):
     if not report["rdma_devices"]:
         return "none"
     limit = report["locked_memory"]
-    return f"{', '.join(report['rdma_devices'])}; memlock {limit if isinstance(limit, str) else size_text(limit)}"
+    inactive = "".join(f"; {port}" for port in report["rdma_ports_inactive"])
+    return (f"{', '.join(report['rdma_devices'])}{inactive}; "
+            f"memlock {limit if isinstance(limit, str) else size_text(limit)}")
 
 
 def show_backends(report):

@@ -35,7 +35,8 @@ def run_check_env(args, timeout, env=None):
 REPORT_FIELDS = {
     "hostname", "os", "python", "python_executable", "torch", "torchvision",
     "cuda_runtime", "cudnn", "nccl", "gloo_available", "nccl_available",
-    "gpus", "driver", "interfaces", "rdma_devices", "locked_memory", "env", "ssh_connection", "clock",
+    "gpus", "driver", "interfaces", "rdma_devices", "rdma_ports_inactive", "locked_memory", "env", "ssh_connection",
+    "clock",
     "why_missing",
 }  # fmt: skip
 
@@ -251,6 +252,18 @@ def test_nccl_version_is_the_loaded_librarys(tmp_path, monkeypatch, mapped, vers
     assert check_env.nccl_version(torch, maps) == version
 
 
+def test_rdma_ports_that_are_not_up_are_shown(tmp_path):
+    """NCCL leaves them out: that host holds the whole job to its bandwidth."""
+    for device, port, state in [("mlx5_0", 1, "4: ACTIVE"), ("mlx5_1", 1, "1: DOWN"), ("mlx5_1", 2, "2: INIT")]:
+        (tmp_path / device / "ports" / str(port)).mkdir(parents=True)
+        (tmp_path / device / "ports" / str(port) / "state").write_text(state + "\n")
+    inactive = check_env.rdma_ports_inactive(tmp_path)
+    assert inactive == ["mlx5_1 port 1 DOWN", "mlx5_1 port 2 INIT"]
+    report = host_report("a", "10.0.0.1/24", rdma_devices=["mlx5_0", "mlx5_1"], rdma_ports_inactive=inactive,
+                         locked_memory="unlimited")
+    assert check_env.show_rdma(report) == "mlx5_0, mlx5_1; mlx5_1 port 1 DOWN; mlx5_1 port 2 INIT; memlock unlimited"
+
+
 def test_nccl_version_is_readable():
     assert check_env.nccl_version_string(23007) == "2.30.7"
     assert check_env.nccl_version_string(2708) == "2.7.8"  # before 2.9
@@ -276,6 +289,7 @@ BASE = {
     "driver": None,
     "interfaces": [{"name": "lo", "address": "127.0.0.1/8"}, {"name": "eth0", "address": "10.0.0.1/24"}],
     "rdma_devices": [],
+    "rdma_ports_inactive": [],
     "locked_memory": "unlimited",
     "env": {},
     "clock": [1796400000.0, 1796400001.5],
