@@ -156,13 +156,14 @@ def torch_facts(why_missing):
     facts["nccl_available"] = dist.is_available() and dist.is_nccl_available()
     # device_count() is 0, not an error, without a GPU or with CUDA_VISIBLE_DEVICES="".
     try:
+        arch_list = torch.cuda.get_arch_list()
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             gpu = {
                 "name": props.name,
                 "memory_gib": round(props.total_memory / 2**30, 1),
                 "capability": f"{props.major}.{props.minor}",
-                "torch_has_kernels": has_kernels_for((props.major, props.minor), torch.cuda.get_arch_list()),
+                "torch_has_kernels": has_kernels_for((props.major, props.minor), arch_list),
             }
             try:
                 # Starts a context there, as a job's first CUDA call does: that fails on a GPU
@@ -612,7 +613,7 @@ def gpus_taken(label, report):
     for i, gpu in enumerate(report["gpus"]):
         if "error" in gpu:
             problems.append(f"{label}: GPU {i} ({gpu['name']}) cannot be used: {gpu['error']}")
-        elif gpu.get("free_gib", gpu["memory_gib"]) < gpu["memory_gib"] / 2:
+        elif gpu["free_gib"] < gpu["memory_gib"] / 2:
             problems.append(f"{label}: GPU {i} ({gpu['name']}) has {gpu['free_gib']} GiB free of {gpu['memory_gib']}: "
                             "other processes hold the rest (a job's, or one left from an earlier job? nvidia-smi)")
     return problems

@@ -424,7 +424,8 @@ def three_hosts(b=None, c=None):
         (  # a GPU newer than any this torch was built for
             [host_report(n, f"10.0.0.{i}/24", torch="2.5.1+cu124", gpus=g) for i, (n, g) in enumerate(zip(
                 LABELS, [gpus(1), gpus(1), [{"name": "NVIDIA GeForce RTX 5090", "memory_gib": 31.4,
-                                             "capability": "12.0", "torch_has_kernels": False}]]), 1)],
+                                             "capability": "12.0", "torch_has_kernels": False,
+                                             "free_gib": 31.0}]]), 1)],
             None,
             ["c: torch 2.5.1+cu124 has no kernels for its NVIDIA GeForce RTX 5090 (cc 12.0): CUDA calls fail "
              'there ("no kernel image is available"); install a torch built for it'],
