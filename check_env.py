@@ -319,6 +319,9 @@ def interface_addresses(why_missing):
 
     Uses ioctls and /proc rather than `ip addr`, so it needs nothing beyond Python on the host.
     """
+    if sys.platform != "linux":  # the ioctls' numbers and /proc are Linux's
+        why_missing["interfaces"] = f"listed on Linux only, not on {sys.platform}"
+        return None
     try:
         import fcntl
 
@@ -333,7 +336,7 @@ def interface_addresses(why_missing):
                     continue
                 network = ipaddress.IPv4Interface(f"{socket.inet_ntoa(address)}/{socket.inet_ntoa(netmask)}")
                 interfaces.append({"name": name, "address": str(network)})
-    except (ImportError, OSError) as exc:  # not Linux
+    except OSError as exc:
         why_missing["interfaces"] = f"cannot list interfaces: {describe(exc)}"
         return None
     with contextlib.suppress(OSError):  # no such file: IPv6 is off
@@ -414,7 +417,7 @@ def cell(report, key, show):
     if value is None:
         reason = report.get("why_missing", {}).get(key)
         return [f"missing ({reason})" if reason else "missing"]
-    return value if isinstance(value, list) else [str(value)]
+    return (value if isinstance(value, list) else [str(value)]) or ["(none)"]
 
 
 def format_report(report):

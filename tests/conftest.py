@@ -40,6 +40,11 @@ def stop_workers_then_self(signum, frame):
     signal.default_int_handler(signum, frame)
 
 
+def linux_only(needs):
+    """Skips a test off Linux: on a Mac laptop, say, the rest of the suite runs."""
+    return pytest.mark.skipif(sys.platform != "linux", reason=f"needs Linux: {needs}")
+
+
 def skip_or_fail(reason, required_by="REQUIRE_CLUSTER_TESTS"):
     """Skip the calling test, or fail it where the variable required_by is 1: there a skip
     would hide a broken set-up (.ci/run sets REQUIRE_CLUSTER_TESTS; GPU runs set

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, launched_processes, require_prerequisites, simulated_cluster
-from conftest import HIDDEN_GPUS, REPO, TINY, load, run, skip_or_fail
+from conftest import HIDDEN_GPUS, REPO, TINY, linux_only, load, run, skip_or_fail
+
+pytestmark = linux_only("launch.sh's hosts, one of them this machine in every test, read /proc")
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]

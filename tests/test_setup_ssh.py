@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import skip_or_fail
+from conftest import linux_only, skip_or_fail
+
+pytestmark = linux_only("setup_ssh.sh needs bash 4.4 or newer, and macOS's is 3.2")
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "setup_ssh.sh"

@@ -14,7 +14,8 @@ import warnings
 import pytest
 import torch
 
-from conftest import HIDDEN_GPUS, REPO, TINY, TRAIN, assert_ok, load, metrics, run, torchrun, write_idx
+from conftest import (HIDDEN_GPUS, REPO, TINY, TRAIN, assert_ok, linux_only, load, metrics, run,
+                      torchrun, write_idx)
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
@@ -298,8 +299,8 @@ def fill_disk_mid_file(tmp):
 
 
 @pytest.mark.parametrize("fill_disk, message", [
-    (fill_disk_at_once, "No space left on device"), (fill_disk_mid_file, "File too large")],
-    ids=["at_once", "mid_file"])
+    pytest.param(fill_disk_at_once, "No space left on device", marks=linux_only("/dev/full")),
+    (fill_disk_mid_file, "File too large")], ids=["at_once", "mid_file"])
 def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd, fill_disk,
                                                                   message):
     model = train.build_model("cnn")
@@ -320,6 +321,7 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd
     assert not os.path.lexists(tmp)  # a partial file would take the space that is short
 
 
+@linux_only("/dev/full")
 def test_a_failed_metrics_write_is_one_line_after_the_epoch_is_saved(mnist_dir, tmp_path):
     result = run([sys.executable, TRAIN, *TINY, "--data", mnist_dir, "--max-steps", "2",
                   "--checkpoint-dir", tmp_path, "--metrics", "/dev/full"])  # every write fails
@@ -815,7 +817,8 @@ def test_accumulation_equals_the_larger_batch_when_the_last_step_is_short(mnist_
     (["--metrics", "missing/m.jsonl"], "cannot write missing/m.jsonl"),
     (["--checkpoint-dir", "a_file/ck"], "cannot write a_file/ck"),
     (["--checkpoint-dir", "a_file"], "--checkpoint-dir a_file exists and is not a directory"),
-    (["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp"),  # exists, read-only
+    pytest.param(["--checkpoint-dir", "/proc"], "cannot write /proc/last.pt.tmp",  # read-only
+                 marks=linux_only("/proc")),
     (["--arch", "resnet18", "--batch-size", "511"], "micro-batches of one sample"),
     (["--arch", "resnet18", "--data", "one_sample"], "use fewer processes, more data, or --arch cnn")])
 def test_settings_that_cannot_work_stop_before_training(mnist_dir, tmp_path, monkeypatch, capfd,
