@@ -14,6 +14,10 @@ indexing, so there is no DataLoader and no worker process. A run whose
 equal to one that was never stopped (CPU, gloo, the same world size, batch size and
 OMP_NUM_THREADS). It may also resume on another number of processes that keeps the global
 batch: the same batches in the same order (each epoch's last aside), but not bitwise.
+
+To train your own data and model, replace build_data (four tensors on the device) and
+build_model, and add their names to --dataset and --arch. normalize() is the per-batch
+transform, build_optimizer the optimizer; the loss is in train_one_epoch and evaluate.
 """
 import argparse
 import contextlib
@@ -56,7 +60,8 @@ RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend
 # Arguments that may differ from node to node (a path on each node's own disks); all the
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
-# What save_checkpoint writes; a file without all of it was not written by this train.py.
+# Keys that every checkpoint of this train.py has; a file without all of them was not written
+# by it. (Later keys, "optimizer_defaults" and "data", are read with .get: older files resume.)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 # What gloo's collectives raise on a rank whose peer is gone (it failed, or was stopped) or
 # stayed away past --timeout: plain RuntimeErrors, known by their text.
@@ -191,52 +196,64 @@ def setup_distributed(args):
                              "train on the CPU")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
-        gpus = torch.cuda.device_count()
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if local_world_size > gpus:
-            raise UsageError(f"{local_world_size} processes on {socket.gethostname()}, which has "
-                             f"{gpus} GPU(s) visible: run at most that many processes per node")
-        if not 0 <= local_rank < gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
-            raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
-                             f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
-        device = torch.device("cuda", local_rank)
-        major, minor = torch.cuda.get_device_capability(device)
-        built_for = torch_built_for((major, minor))
-        if built_for:  # else every rank dies at its first kernel, "no kernel image is available"
-            raise UsageError(f"{socket.gethostname()}'s {torch.cuda.get_device_name(device)} "
-                             f"(compute capability {major}.{minor}) has no kernels in torch "
-                             f"{torch.__version__}, built for {built_for}: install a torch "
-                             f"build with kernels for sm_{major}{minor}")
-        # Fix: the pattern never called set_device, so NCCL put every process's
-        # buffers on GPU 0. It must come before init_process_group.
-        torch.cuda.set_device(device)
+        device = gpu_of_this_process(local_rank)
     else:
         # Fix: .cuda(rank) crashed on machines without a GPU; gloo runs on the CPU.
         device = torch.device("cpu")
     if "RANK" in os.environ:  # started by torchrun (or launch.sh, which runs torchrun)
-        missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if v not in os.environ]
-        if missing:
-            raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
-                             "torchrun, which sets them all, or unset RANK")
-        hosts_beside_this = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
-        if backend == "gloo" and hosts_beside_this:
-            check_other_hosts_can_reach_gloo()
-        # By default torchrun's restarts reuse the rendezvous store of the first round, and
-        # restarted workers can read the addresses of dead ones: they fail to connect or hang
-        # (pytorch#135712, #167288).
-        if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
-                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-            raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
-                             "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
-                             "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
+        check_torchrun_env(backend, world_size)
         # A bounded timeout: a dead peer ends the job instead of hanging it. device_id binds
         # NCCL to this process's GPU instead of letting it guess one from the global rank.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 device_id=device if backend == "nccl" else None)
     return rank, local_rank, world_size, device
+
+
+def gpu_of_this_process(local_rank):
+    """The GPU that LOCAL_RANK picks, once checked that it exists and that torch has kernels
+    for it, made the current device."""
+    if not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs CUDA, and torch sees no GPU here")
+    gpus = torch.cuda.device_count()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_world_size > gpus:
+        raise UsageError(f"{local_world_size} processes on {socket.gethostname()}, which has "
+                         f"{gpus} GPU(s) visible: run at most that many processes per node")
+    if not 0 <= local_rank < gpus:  # LOCAL_RANK set without torchrun's LOCAL_WORLD_SIZE
+        raise UsageError(f"LOCAL_RANK {local_rank}, but {socket.gethostname()} has {gpus} "
+                         f"GPU(s) visible: LOCAL_RANK picks the GPU, 0 to {gpus - 1}")
+    device = torch.device("cuda", local_rank)
+    major, minor = torch.cuda.get_device_capability(device)
+    built_for = torch_built_for((major, minor))
+    if built_for:  # else every rank dies at its first kernel, "no kernel image is available"
+        raise UsageError(f"{socket.gethostname()}'s {torch.cuda.get_device_name(device)} "
+                         f"(compute capability {major}.{minor}) has no kernels in torch "
+                         f"{torch.__version__}, built for {built_for}: install a torch "
+                         f"build with kernels for sm_{major}{minor}")
+    # Fix: the pattern never called set_device, so NCCL put every process's
+    # buffers on GPU 0. It must come before init_process_group.
+    torch.cuda.set_device(device)
+    return device
+
+
+def check_torchrun_env(backend, world_size):
+    """What torchrun sets, and what a job across hosts or with restarts needs of it."""
+    missing = [v for v in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        raise UsageError(f"RANK is set but not {', '.join(missing)}: start train.py with "
+                         "torchrun, which sets them all, or unset RANK")
+    hosts_beside_this = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
+    if backend == "gloo" and hosts_beside_this:
+        check_other_hosts_can_reach_gloo()
+    # By default torchrun's restarts reuse the rendezvous store of the first round, and
+    # restarted workers can read the addresses of dead ones: they fail to connect or hang
+    # (pytorch#135712, #167288).
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        raise UsageError("torchrun --max-restarts restarts reliably only with a fresh store "
+                         "per round: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun and "
+                         "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
 
 
 def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
@@ -623,6 +640,11 @@ def build_model(arch):
     return model
 
 
+def build_optimizer(model, args):
+    # An LR scheduler, if you add one, goes into the checkpoint too, or resume is not exact.
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
 def wrap_ddp(model, device):
     if not distributed():
         return model
@@ -631,15 +653,13 @@ def wrap_ddp(model, device):
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     if dist.get_backend() == "gloo":
-        # DDP re-buckets gradients after the first step of a process. A resumed process
-        # would take that step with the first layout, where gloo's ring all-reduce sums
-        # some elements in another order (from 3 ranks up), and drift from a run that was
-        # never stopped. Fixing the final layout now makes every step of every run alike.
-        # Its buckets follow the parameters' order, not backward's, so all-reduce waits for
-        # the whole backward instead of overlapping it; on CPU, where both share the cores,
-        # that cost nothing measurable (resnet18, 2 ranks, 2 cores). On nccl we keep DDP's
-        # layout: nccl picks its algorithm by size and topology, so GPU runs are not
-        # bitwise repeatable anyway.
+        # For bitwise resume: DDP re-buckets gradients after a process's first step, so a
+        # resumed process would all-reduce that step in the old layout, which gloo's ring
+        # sums in another order (from 3 ranks up). Fix the final layout now (private API).
+        # All-reduce then waits for the whole backward instead of overlapping it, which cost
+        # nothing measurable on CPUs (resnet18, 2 ranks, 2 cores). nccl keeps DDP's layout:
+        # its runs are not bitwise repeatable anyway, as it picks its algorithm by size and
+        # topology.
         ddp.reducer._push_all_rebuilt_params()
         ddp.reducer._rebuild_buckets()
     return ddp
@@ -954,10 +974,9 @@ def evaluate(model, test_x, test_y, args, device, rank, world_size):
     """Exact accuracy over the whole test set: each rank takes every world_size-th sample
     (no padding, so no sample counts twice) and the counts are summed across ranks."""
     # Fix: the pattern never evaluated, so nothing said whether training worked.
-    # The unwrapped model: DDP's forward would sync buffers, and ranks may run
-    # different numbers of eval batches. DDP gives every rank rank 0's buffers (BatchNorm's
-    # running statistics) before each forward, and each rank then updates its own: take
-    # rank 0's, the ones it saves, so that every rank evaluates the same model.
+    # The unwrapped model: DDP's forward syncs buffers, a collective that would hang where
+    # ranks run different numbers of eval batches. Each rank's BatchNorm statistics have
+    # moved since DDP last synced them: take rank 0's, the ones it saves.
     broadcast_buffers_from_rank0(model)
     model.eval()
     mine = torch.arange(rank, len(test_x), world_size, device=device)
@@ -990,6 +1009,15 @@ def log(line):
         os.close(devnull)
 
 
+def log_restarts():
+    """torchrun says nothing of a restart at its default log level, and counts restarts per
+    node, only on a node whose workers failed: the others restart theirs uncounted."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts > 0:
+        log(f"torchrun on {socket.gethostname()} restarted its workers after failures there: "
+            f"{restarts} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts used")
+
+
 def format_seconds(seconds):
     return str(datetime.timedelta(seconds=round(seconds)))
 
@@ -1001,12 +1029,8 @@ def train(args, rank, local_rank, world_size, device):
     if device.type == "cpu":
         # Tiny gradients turn denormal on CPUs and slow every step several-fold.
         torch.set_flush_denormal(True)
-    # torchrun says nothing of a restart at its default log level, and counts restarts per
-    # node, only on a node whose workers failed: the others restart theirs uncounted.
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if local_rank == 0 and restarts > 0:
-        log(f"torchrun on {socket.gethostname()} restarted its workers after failures there: "
-            f"{restarts} of at most {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts used")
+    if local_rank == 0:
+        log_restarts()
     check_same_args_everywhere(args)
     ckpt_path = checkpoint_path(args)
     prepare_outputs(args, ckpt_path, rank)
@@ -1015,8 +1039,7 @@ def train(args, rank, local_rank, world_size, device):
     train_x, train_y, test_x, test_y = data
 
     model = build_model(args.arch).to(device)
-    # An LR scheduler, if you add one, goes into the checkpoint too, or resume is not exact.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = build_optimizer(model, args)
     # Fix: the pattern built the deprecated torch.cuda.amp.GradScaler and never used it,
     # so it trained in plain fp32. fp16 needs the scaler; bf16 and fp32 pass through it.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -1065,41 +1088,44 @@ def train(args, rank, local_rank, world_size, device):
             log(f"nothing to train: {ckpt_path} is at step {step}, and this run ends at step "
                 f"{total_steps}")
     while step < total_steps:
-        epoch, done = divmod(step, steps_per_epoch)
-        stop = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
+        # This run trains the epoch's steps from done_in_epoch up to stop_in_epoch.
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        stop_in_epoch = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
         order = epoch_order(len(train_x), epoch, rank, world_size, args.seed)
-        order = order[done * per_step:stop * per_step].to(device)
-        end = epoch * steps_per_epoch + stop
+        order = order[done_in_epoch * per_step:stop_in_epoch * per_step].to(device)
+        end_step = epoch * steps_per_epoch + stop_in_epoch
 
         def after_step(n, loss, first=step):
-            save_now = args.save_every and (first + n) % args.save_every == 0 and first + n < end
-            log_now = args.log_every and (first + n) % args.log_every == 0 and rank == 0
+            now = first + n  # optimizer steps done in total
+            save_now = args.save_every and now % args.save_every == 0 and now < end_step
+            log_now = args.log_every and now % args.log_every == 0 and rank == 0
             if not (save_now or log_now):
                 return 0.0
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the steps queued so far are training time
             start = time.perf_counter()
             if save_now:
-                save(first + n)  # the epoch's end saves after evaluating
+                save(now)  # the epoch's end saves after evaluating
             if log_now:
-                log(f"epoch {epoch + 1}/{args.epochs} step {first + n}/{total_steps} "
-                    f"loss(rank 0, epoch so far) {loss.item():.4f} eta {eta(first + n)}")
+                log(f"epoch {epoch + 1}/{args.epochs} step {now}/{total_steps} "
+                    f"loss(rank 0, epoch so far) {loss.item():.4f} eta {eta(now)}")
             return time.perf_counter() - start
 
         train_loss, samples, seconds = train_one_epoch(
             ddp_model, optimizer, scaler, train_x, train_y, order, args, device, after_step)
-        step = end
+        step = end_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_x, test_y, args, device,
                                                           rank, world_size)
         error = None
         if rank == 0:
-            partial = done > 0 or stop < steps_per_epoch  # resumed or stopped in mid-epoch
+            partial = done_in_epoch > 0 or stop_in_epoch < steps_per_epoch  # resumed, or stopped
             row = {"epoch": epoch + 1, "step": step, "world_size": world_size,
                    "train_loss": train_loss, "test_loss": test_loss,
                    "test_accuracy": test_accuracy, "test_samples": test_samples,
                    "samples_per_sec": samples / seconds, "partial": partial}
             # A resumed or shortened epoch's figures are of the steps this run trained.
-            covered = f" (its steps {done + 1}-{stop} of {steps_per_epoch})" if partial else ""
+            covered = (f" (its steps {done_in_epoch + 1}-{stop_in_epoch} of {steps_per_epoch})"
+                       if partial else "")
             log(f"epoch {epoch + 1}/{args.epochs}{covered} step {step} "
                 f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
                 f"test_acc {100 * test_accuracy:.2f}% {samples / seconds:.0f} samples/s "
@@ -1146,10 +1172,9 @@ def main(argv=None):
         # finish, and then this rank's error never shows and torchrun never sees it fail.
         try:
             if isinstance(e, RuntimeError) and any(text in str(e) for text in LOST_PEER_TEXTS):
-                # Most likely another rank failed first, or the job is being stopped: a
-                # pause, so that that rank's node ends first, and launch.sh names it (and
-                # stops this one, quietly), then one line, so that the tracebacks of the
-                # ranks that lost it do not bury that rank's.
+                # Likely another rank failed first, or the job is being stopped. Wait, so
+                # that rank's node exits first (launch.sh names it), then print one line,
+                # not a traceback that buries that rank's.
                 time.sleep(3)
                 print_errors([f"rank {dist.get_rank()} lost a peer (it closed the connection, "
                               f"or stayed away past --timeout): {describe(e)}"])

@@ -91,7 +91,7 @@ PHASES = ("data", "forward+backward", "optimizer")
 class Stepper:
     """One variant's model and optimizer, stepped a block at a time through its own batches."""
 
-    def __init__(self, variant, train_x, train_y, order, device):
+    def __init__(self, variant, args, train_x, train_y, order, device):
         self.variant, self.train_x, self.train_y = variant, train_x, train_y
         self.batches = order.split(variant.batch_size)[:-1]  # the last one may be short
         self.next_batch = 0
@@ -103,7 +103,7 @@ class Stepper:
             self.model = train.wrap_ddp(model, device)
         else:
             self.model = DDP(model, **variant.ddp_options)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)  # as train.py
+        self.optimizer = train.build_optimizer(self.model, args)
         self.flat_gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
 
     def block(self, steps):
@@ -153,7 +153,7 @@ def harness(root, quick):
     train_x, train_y, _, _ = train.build_data(args, rank, local_rank, device)
     order = train.epoch_order(len(train_x), 0, rank, world_size, seed=0)
     rounds, steps = (2, 3) if quick else (50, 5)
-    steppers = [Stepper(v, train_x, train_y, order, device) for v in VARIANTS]
+    steppers = [Stepper(v, args, train_x, train_y, order, device) for v in VARIANTS]
     for stepper in steppers:  # untimed: DDP settles its buckets in the first steps
         if rank == 0 or stepper.variant.processes == 2:
             stepper.block(steps)
