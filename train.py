@@ -15,8 +15,8 @@ equal to one that was never stopped (CPU, gloo, the same world size, batch size 
 OMP_NUM_THREADS). It may also resume on another number of processes that keeps the global
 batch: the same batches in the same order (each epoch's last aside), but not bitwise.
 
-To train your own data and model, replace build_data (four tensors on the device) and
-build_model, and add their names to --dataset and --arch. normalize() is the per-batch
+To train your own data and model, add a branch to build_data (four tensors on the device)
+and build_model, and its name to --dataset and --arch. normalize() is the per-batch
 transform, build_optimizer the optimizer; the loss is in train_one_epoch and evaluate.
 """
 import argparse
@@ -61,7 +61,8 @@ RESUME_MAY_CHANGE_ARGS = ["data", "no_download", "epochs", "max_steps", "backend
 # others must be rank 0's on every rank.
 PER_NODE_ARGS = ["data"]
 # Keys that every checkpoint of this train.py has; a file without all of them was not written
-# by it. (Later keys, "optimizer_defaults" and "data", are read with .get: older files resume.)
+# by it. (Two later keys are read with .get, so that an older file gets a message, not a
+# KeyError: one without "optimizer_defaults" resumes, one without "data" is refused.)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "rng", "args", "world_size"}
 # What gloo's collectives raise on a rank whose peer is gone (it failed, or was stopped) or
 # stayed away past --timeout: plain RuntimeErrors, known by their text.
@@ -656,10 +657,10 @@ def wrap_ddp(model, device):
         # For bitwise resume: DDP re-buckets gradients after a process's first step, so a
         # resumed process would all-reduce that step in the old layout, which gloo's ring
         # sums in another order (from 3 ranks up). Fix the final layout now (private API).
-        # All-reduce then waits for the whole backward instead of overlapping it, which cost
-        # nothing measurable on CPUs (resnet18, 2 ranks, 2 cores). nccl keeps DDP's layout:
-        # its runs are not bitwise repeatable anyway, as it picks its algorithm by size and
-        # topology.
+        # Its buckets follow the parameters' order, not backward's, so all-reduce waits for
+        # the whole backward instead of overlapping it: no cost measured on a CPU (resnet18,
+        # 2 ranks, 2 cores). nccl keeps DDP's layout: its runs are not bitwise repeatable
+        # anyway, as it picks its algorithm by size and topology.
         ddp.reducer._push_all_rebuilt_params()
         ddp.reducer._rebuild_buckets()
     return ddp

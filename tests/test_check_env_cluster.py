@@ -69,15 +69,13 @@ def test_variables_reach_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
 
 
 @contextmanager
-def shell_path(cluster, tmp_path, hosts):
-    """Make `python3` in hosts' non-interactive SSH shells this test's interpreter.
-
-    As with a venv activated in ~/.bashrc, which bash reads for ssh commands.
+def shell_path(cluster, hosts):
+    """Make `python3` in hosts' non-interactive SSH shells this test's interpreter: its
+    directory first on PATH, as a venv activated in ~/.bashrc, which bash reads for ssh
+    commands, puts it (a link to a venv's python elsewhere would start it outside the venv).
     Every other host finds the system python3.
     """
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").symlink_to(sys.executable)
+    bindir = Path(sys.executable).parent
     bashrcs = [cluster.host(name).dir / "home" / ".bashrc" for name in hosts]
     try:
         for bashrc in bashrcs:
@@ -94,7 +92,7 @@ def test_host_whose_shell_finds_another_python_is_a_problem(cluster, tmp_path):
     if subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True, timeout=60).returncode == 0:
         pytest.skip(f"{SYSTEM_PYTHON} has torch, so it cannot play the host without torch")
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
-    with shell_path(cluster, tmp_path, ["node1", "node3"]) as python3:
+    with shell_path(cluster, ["node1", "node3"]) as python3:
         # Hosts as columns, however wide the paths make them.
         result = run_check_env(["--hosts", str(hostfile), "--python", "python3"], timeout=120,
                                env=cluster.env(COLUMNS="1000"))

@@ -18,7 +18,7 @@ import torch
 from cluster import cluster_fixture, launched_processes, require_prerequisites, simulated_cluster
 from conftest import HIDDEN_GPUS, REPO, TINY, linux_only, load, run, skip_or_fail
 
-pytestmark = linux_only("launch.sh's hosts, one of them this machine in every test, read /proc")
+pytestmark = linux_only("launch.sh's hosts read /proc, and most tests run one here")
 
 LAUNCH = REPO / "launch.sh"
 TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic"]
