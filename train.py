@@ -257,96 +257,6 @@ def check_torchrun_env(backend, world_size):
                          "use --standalone or --rdzv-backend=c10d (launch.sh does both)")
 
 
-def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
-    """Why torch sees no GPU where this process may open an NVIDIA GPU's device, or None
-    where torch sees one, or none may be opened (a container or a scheduler's job given no
-    GPU), or CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1)."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if torch.cuda.is_available() or torch.version.hip or hidden in ("", "-1"):
-        return None
-    gpu = next((path for path in sorted(glob.glob(devices)) if may_open(path)), None)
-    if gpu is None:
-        return None
-    if torch.version.cuda is None:
-        return f"a GPU ({gpu}), but torch {torch.__version__} is a CPU-only build"
-    shown = "" if hidden is None else f", or CUDA_VISIBLE_DEVICES={hidden} names none"
-    return (f"a GPU ({gpu}), but torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
-            f"none: a driver too old for that CUDA, or updated without a reboot{shown}? "
-            "(nvidia-smi tells)")
-
-
-def torch_built_for(capability):
-    """The GPU architectures this torch has kernels for ("sm_80 sm_90"), where none of
-    them runs on a GPU of compute capability (major, minor), else "". A build that names
-    none (ROCm's gfx names) is taken to fit."""
-    built = [arch for arch in torch.cuda.get_arch_list() if ARCH_NAME.fullmatch(arch)]
-    if not built or any(arch_runs_on(arch, capability) for arch in built):
-        return ""
-    return " ".join(built)
-
-
-def arch_runs_on(arch, capability):
-    """Whether kernels built for arch ("sm_80", "sm_90a", "compute_90") run on a GPU of
-    capability (major, minor). Machine code for X.Y runs on X.Z, Z >= Y (sm_80's on an 8.6,
-    not sm_75's on a 7.0); "a" code (sm_90a) on X.Y alone; PTX (compute_90), which the
-    driver compiles, on X.Y and newer."""
-    kind, number, suffix = ARCH_NAME.fullmatch(arch).groups()
-    built = divmod(int(number), 10)
-    if suffix == "a":
-        return built == capability
-    if kind == "compute" and not suffix:
-        return built <= capability
-    return built[0] == capability[0] and built[1] <= capability[1]  # (and "f": sm_100f)
-
-
-def may_open(path):
-    try:
-        os.close(os.open(path, os.O_RDONLY))
-        return True
-    except OSError:  # absent, or denied (a cgroup that keeps a job from other jobs' GPUs)
-        return False
-
-
-def check_other_hosts_can_reach_gloo():
-    """Without GLOO_SOCKET_IFNAME, gloo listens on the first address of this host's name
-    that it can bind, or on 127.0.0.1. Debian and Ubuntu map the name to 127.0.1.1, and a
-    job across hosts would fail on one of them at start-up and hang on the others."""
-    if len(os.environ.get("GLOO_SOCKET_IFNAME", "")) > 1:  # torch ignores a shorter value
-        return
-    if is_loopback(os.environ["MASTER_ADDR"]):
-        return  # every node on this machine, as in a test of two nodes on one box
-    host = socket.gethostname()
-    address = first_bindable_address(host) or "127.0.0.1"
-    if is_loopback(address):
-        raise UsageError(f"this host's name, {host}, gives gloo {address} to listen on, where "
-                         f"no other host can reach it: map {host} to this host's address on the "
-                         "cluster network in /etc/hosts, or set GLOO_SOCKET_IFNAME to the "
-                         "interface that holds that address if it is not lo (launch.sh does)")
-
-
-def is_loopback(address):
-    """True for localhost and loopback addresses, False for other names."""
-    try:
-        return address == "localhost" or ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:  # a name; the % of fe80::1%eth0 begins a scope
-        return False
-
-
-def first_bindable_address(host):
-    try:
-        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):  # no address; a label of over 63 characters
-        return None
-    for family, kind, protocol, _, address in candidates:
-        with socket.socket(family, kind, protocol) as probe:
-            try:
-                probe.bind(address)
-                return address[0]
-            except OSError:  # ::1 where IPv6 is off, an address this host does not hold
-                continue
-    return None
-
-
 def distributed():
     return dist.is_available() and dist.is_initialized()
 
@@ -610,23 +520,6 @@ def check_no_batch_of_one(model, samples_per_rank, batch_size):
         error = (f"--batch-size {batch_size} leaves micro-batches of one sample "
                  f"({samples_per_rank} samples per rank), on which the model's "
                  "BatchNorm cannot train: choose another --batch-size")
-    stop_together(error)
-
-
-def check_compile_works(device):
-    """torch.compile needs a compiler on the machine (C++ on CPU, C for Triton on GPU),
-    among other things; where it cannot work, every rank would fail at its first step, in
-    a long traceback. A one-line function compiled first says so before training, for a
-    second or less beyond what the model's compile would spend anyway."""
-    error = None
-    try:
-        torch.compile(lambda x: x + 1)(torch.ones(1, device=device))
-    except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        fix = "drop --compile"
-        if "compiler" in first_line.lower():
-            fix = "install a C/C++ compiler (gcc, g++), or " + fix
-        error = f"--compile cannot compile here ({type(e).__name__}: {first_line}): {fix}"
     stop_together(error)
 
 
@@ -917,19 +810,6 @@ def resume_from(checkpoint, path, model, optimizer, scaler, args, device, rank, 
 
 # ----------------------------------------------------------------------------- train / eval
 
-def slow_amp(amp, device):
-    """Why --amp amp runs slower than fp32 on device, or None."""
-    if amp == "fp16" and device.type == "cpu":  # CPUs have few fast fp16 kernels
-        return ("--amp fp16 on the CPU is many times slower than fp32 (45x for cnn on a 2-CPU "
-                "VM); --amp bf16 is the fast one there")
-    if amp == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
-        # No bf16 units before Ampere: torch emulates it, and cuDNN has no bf16
-        # convolutions there, so they fall back to torch's own slow ones.
-        return (f"--amp bf16 on a {torch.cuda.get_device_name(device)}, older than Ampere, "
-                "is emulated and slow; --amp fp16 is the fast one there")
-    return None
-
-
 def autocast(args, device):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -993,6 +873,130 @@ def evaluate(model, test_x, test_y, args, device, rank, world_size):
     model.train()
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+
+
+# ----------------------------------------------------------------------------- environment checks
+# Each turns what would be a hang, or a traceback from every rank, into one line or a
+# warning; none changes how training runs.
+
+def gpus_torch_cannot_see(devices="/dev/nvidia[0-9]*"):
+    """Why torch sees no GPU where this process may open an NVIDIA GPU's device, or None
+    where torch sees one, or none may be opened (a container or a scheduler's job given no
+    GPU), or CUDA_VISIBLE_DEVICES hides them all on purpose ("" or -1)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available() or torch.version.hip or hidden in ("", "-1"):
+        return None
+    gpu = next((path for path in sorted(glob.glob(devices)) if may_open(path)), None)
+    if gpu is None:
+        return None
+    if torch.version.cuda is None:
+        return f"a GPU ({gpu}), but torch {torch.__version__} is a CPU-only build"
+    shown = "" if hidden is None else f", or CUDA_VISIBLE_DEVICES={hidden} names none"
+    return (f"a GPU ({gpu}), but torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+            f"none: a driver too old for that CUDA, or updated without a reboot{shown}? "
+            "(nvidia-smi tells)")
+
+
+def torch_built_for(capability):
+    """The GPU architectures this torch has kernels for ("sm_80 sm_90"), where none of
+    them runs on a GPU of compute capability (major, minor), else "". A build that names
+    none (ROCm's gfx names) is taken to fit."""
+    built = [arch for arch in torch.cuda.get_arch_list() if ARCH_NAME.fullmatch(arch)]
+    if not built or any(arch_runs_on(arch, capability) for arch in built):
+        return ""
+    return " ".join(built)
+
+
+def arch_runs_on(arch, capability):
+    """Whether kernels built for arch ("sm_80", "sm_90a", "compute_90") run on a GPU of
+    capability (major, minor). Machine code for X.Y runs on X.Z, Z >= Y (sm_80's on an 8.6,
+    not sm_75's on a 7.0); "a" code (sm_90a) on X.Y alone; PTX (compute_90), which the
+    driver compiles, on X.Y and newer."""
+    kind, number, suffix = ARCH_NAME.fullmatch(arch).groups()
+    built = divmod(int(number), 10)
+    if suffix == "a":
+        return built == capability
+    if kind == "compute" and not suffix:
+        return built <= capability
+    return built[0] == capability[0] and built[1] <= capability[1]  # (and "f": sm_100f)
+
+
+def may_open(path):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        return True
+    except OSError:  # absent, or denied (a cgroup that keeps a job from other jobs' GPUs)
+        return False
+
+
+def check_other_hosts_can_reach_gloo():
+    """Without GLOO_SOCKET_IFNAME, gloo listens on the first address of this host's name
+    that it can bind, or on 127.0.0.1. Debian and Ubuntu map the name to 127.0.1.1, and a
+    job across hosts would fail on one of them at start-up and hang on the others."""
+    if len(os.environ.get("GLOO_SOCKET_IFNAME", "")) > 1:  # torch ignores a shorter value
+        return
+    if is_loopback(os.environ["MASTER_ADDR"]):
+        return  # every node on this machine, as in a test of two nodes on one box
+    host = socket.gethostname()
+    address = first_bindable_address(host) or "127.0.0.1"
+    if is_loopback(address):
+        raise UsageError(f"this host's name, {host}, gives gloo {address} to listen on, where "
+                         f"no other host can reach it: map {host} to this host's address on the "
+                         "cluster network in /etc/hosts, or set GLOO_SOCKET_IFNAME to the "
+                         "interface that holds that address if it is not lo (launch.sh does)")
+
+
+def is_loopback(address):
+    """True for localhost and loopback addresses, False for other names."""
+    try:
+        return address == "localhost" or ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:  # a name; the % of fe80::1%eth0 begins a scope
+        return False
+
+
+def first_bindable_address(host):
+    try:
+        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):  # no address; a label of over 63 characters
+        return None
+    for family, kind, protocol, _, address in candidates:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(address)
+                return address[0]
+            except OSError:  # ::1 where IPv6 is off, an address this host does not hold
+                continue
+    return None
+
+
+def check_compile_works(device):
+    """torch.compile needs a compiler on the machine (C++ on CPU, C for Triton on GPU),
+    among other things; where it cannot work, every rank would fail at its first step, in
+    a long traceback. A one-line function compiled first says so before training, for a
+    second or less beyond what the model's compile would spend anyway."""
+    error = None
+    try:
+        torch.compile(lambda x: x + 1)(torch.ones(1, device=device))
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        fix = "drop --compile"
+        if "compiler" in first_line.lower():
+            fix = "install a C/C++ compiler (gcc, g++), or " + fix
+        error = f"--compile cannot compile here ({type(e).__name__}: {first_line}): {fix}"
+    stop_together(error)
+
+
+def slow_amp(amp, device):
+    """Why --amp amp runs slower than fp32 on device, or None."""
+    if amp == "fp16" and device.type == "cpu":  # CPUs have few fast fp16 kernels
+        return ("--amp fp16 on the CPU is many times slower than fp32 (45x for cnn on a 2-CPU "
+                "VM); --amp bf16 is the fast one there")
+    if amp == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        # No bf16 units before Ampere: torch emulates it, and cuDNN has no bf16
+        # convolutions there, so they fall back to torch's own slow ones.
+        return (f"--amp bf16 on a {torch.cuda.get_device_name(device)}, older than Ampere, "
+                "is emulated and slow; --amp fp16 is the fast one there")
+    return None
 
 
 # ----------------------------------------------------------------------------- main
