@@ -1396,8 +1396,10 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        status = main()
+        sys.stdout.flush()  # here, not at exit: a report shorter than the buffer is written now
     except BrokenPipeError:  # `| head` has read what it wanted: stop quietly, as cat does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # else Python's flush at exit raises it again
         sys.exit(1)
+    sys.exit(status)

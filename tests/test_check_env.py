@@ -141,12 +141,16 @@ def test_ipv6_addresses_are_read_from_proc_without_link_local_ones():
         {"name": "lo", "address": "::1/128"}, {"name": "eth0", "address": "fd00:7::2/64"}]
 
 
-def test_output_into_a_closed_pipe_stops_without_a_traceback():
-    """As in `check_env.py | head -1`, once head has exited."""
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_output_into_a_closed_pipe_stops_without_a_traceback(buffered):
+    """As in `check_env.py | head -1`, once head has exited. Buffered, as Python writes to a
+    pipe unless PYTHONUNBUFFERED is set, the report reached the pipe only at exit."""
     read_end, write_end = os.pipe()
     os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(HIDDEN_GPUS, **({} if buffered else {"PYTHONUNBUFFERED": "1"}))
     proc = subprocess.Popen([sys.executable, REPO / "check_env.py"], stdout=write_end, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **HIDDEN_GPUS})
+                            text=True, start_new_session=True, env=env)
     os.close(write_end)
     try:
         _, err = proc.communicate(timeout=60)
