@@ -7,8 +7,7 @@ One process, the machine's default threads, batch 64. Both figures leave out the
 step, which pays one-off costs: the pattern's waits for its 8 workers to start, train.py's
 for the kernels' first use (train.py's time for STEPS + 1 steps less its time for 1). On a
 GPU, but for --quick, train.py's second epoch is timed instead, and the pattern runs an
-epoch. Issue 5 sets
-no target here: the ratio is for comparison.
+epoch. Issue 5 sets no target here: the ratio is for comparison.
 """
 import argparse
 
