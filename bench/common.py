@@ -270,7 +270,7 @@ class Launched:
     """launch.sh [OPTIONS] HOSTFILE NPROC SCRIPT_ARGS on the simulated cluster's hosts (logs
     under tmp/logs), started as the tests start it: this python's torchrun first on PATH,
     OMP_NUM_THREADS=1, SSH_COMMAND for the cluster, in a session of its own with SIGINT at
-    its default disposition (env --default-signal=INT).
+    its default disposition, as a terminal's foreground job has it.
     Every line of its stdout and stderr is kept with the clock() time it arrived here.
     As a context manager, it leaves nothing running: the session is killed, then whatever
     is left on the cluster's hosts."""
@@ -289,11 +289,12 @@ class Launched:
         self._changed = threading.Condition()
         self.started = clock()
         self.proc = subprocess.Popen(
-            ["env", "--default-signal=INT", LAUNCH, "--log-dir", Path(tmp) / "logs",
-             *map(str, options), hostfile, str(nproc), *map(str, script_args)],
+            [LAUNCH, "--log-dir", Path(tmp) / "logs", *map(str, options), hostfile, str(nproc),
+             *map(str, script_args)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        self.pid = self.proc.pid  # env execs launch.sh: the same process, the session's leader
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

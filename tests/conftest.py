@@ -40,6 +40,14 @@ def stop_workers_then_self(signum, frame):
     signal.default_int_handler(signum, frame)
 
 
+def default_sigint():
+    """For a Popen's preexec_fn: SIGINT at its default disposition, as a terminal's foreground
+    job has it. pytest started as a background job of a non-interactive shell (as by some CI
+    runners) ignores SIGINT, and so would all it starts: bash cannot even trap it then.
+    (`env --default-signal=INT` would do, but needs coreutils 8.31: RHEL 8 has 8.30.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def linux_only(needs):
     """Skips a test off Linux: on a Mac laptop, say, the rest of the suite runs."""
     return pytest.mark.skipif(sys.platform != "linux", reason=f"needs Linux: {needs}")

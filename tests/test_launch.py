@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cluster import cluster_fixture, launched_processes, require_prerequisites, simulated_cluster
-from conftest import HIDDEN_GPUS, REPO, TINY, linux_only, load, run, skip_or_fail
+from conftest import HIDDEN_GPUS, REPO, TINY, default_sigint, linux_only, load, run, skip_or_fail
 
 pytestmark = linux_only("launch.sh's hosts read /proc, and most tests run one here")
 
@@ -50,7 +50,7 @@ def launch_env(cluster=None, **extra):
 
 class Launch:
     """launch.sh in the background, in a session of its own, with SIGINT at
-    its default disposition (a background job would otherwise ignore it)."""
+    its default disposition (see default_sigint)."""
 
     def __init__(self, args, env, cwd, out_dir):
         self.out_path, self.err_path = out_dir / "launch.out", out_dir / "launch.err"
@@ -61,8 +61,8 @@ class Launch:
         env = {**env, "TMPDIR": str(out_dir), "TEST_LAUNCH": mark}
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                ["env", "--default-signal=INT", LAUNCH, *map(str, args)],
-                cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True,
+                [LAUNCH, *map(str, args)], cwd=cwd, env=env, stdout=out, stderr=err,
+                start_new_session=True, preexec_fn=default_sigint,
             )
         self.pid = self.proc.pid
 

@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from conftest import (HIDDEN_GPUS, REPO, TINY, TRAIN, assert_ok, linux_only, load, metrics, run,
-                      torchrun, write_idx)
+from conftest import (HIDDEN_GPUS, REPO, TINY, TRAIN, assert_ok, default_sigint, linux_only, load,
+                      metrics, run, torchrun, write_idx)
 
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
@@ -341,7 +341,7 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, launcher):
          "--log-every", "1", "--save-every", "1", "--checkpoint-dir", tmp_path],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # python's own handler
+        preexec_fn=default_sigint)  # at its default, python installs its own handler
     try:
         while "step 1/" not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()
