@@ -850,8 +850,10 @@ def host_command(host, argv, python):
     # stdin, and a node stops when stdin ends, which a terminal never says.
     # RemoteCommand=none: ssh refuses a command given beside one of the config's (tmux, say).
     # ClearAllForwardings: a port forwarded there may be taken by the user's own session.
+    # LogLevel=INFO: ssh says why it failed even where the config says QUIET; a Slurm node's
+    # refusal comes as a banner, which ssh shows only at INFO or above.
     options = ["-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
-               "-o", "RemoteCommand=none", "-o", "ClearAllForwardings=yes"]
+               "-o", "RemoteCommand=none", "-o", "ClearAllForwardings=yes", "-o", "LogLevel=INFO"]
     if host.port:
         options += ["-p", host.port]
     return [*ssh, *options, "--", host.target, "exec " + shlex.join([python, "-c", FORWARD_ENV_CODE, *argv])]
@@ -947,7 +949,7 @@ def failure(host, python, status, stderr):
         return reason
     if status == 255 and not host.is_local:  # ssh's own failure, not the command's
         fix = ssh_refusal_fix(reason, stderr)
-        return f"ssh refused the login: {reason} ({fix})" if fix else f"unreachable: {reason}"
+        return f"ssh refused the login: {reason} ({fix})" if fix else f"unreachable: {reason or 'ssh said nothing'}"
     if status == 127:
         return f"{python} not found (use --python)"
     return f"{python} failed with exit status {status}: {reason}"

@@ -80,9 +80,11 @@ readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVI
 # refuses a command given beside one of the config's (tmux, say).
 # ClearAllForwardings: a port forwarded there (for Jupyter, say) is taken
 # already when the user's own session holds it, which fails every
-# connection under ExitOnForwardFailure.
+# connection under ExitOnForwardFailure. LogLevel=INFO: ssh says why it
+# failed even where the config says QUIET; a Slurm node's refusal comes as a
+# banner, which ssh shows only at INFO or above.
 readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInterval=5
-  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes)
+  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=INFO)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 # torchrun's rendezvous compares each host's heartbeats, stamped by its own
 # clock, with its own clock, and takes a host whose last one looks 15 s old
@@ -362,7 +364,7 @@ preflight() {
     elif [[ -z $report ]]; then
       report=$(reason_line "$(<"$tmp/preflight.$i")")
       report=${report#fail: }
-      reports[i]=${report:-no answer}$(ssh_refusal_fix "$i" "$report")
+      reports[i]=${report:-ssh said nothing}$(ssh_refusal_fix "$i" "$report")
     else
       read -ra fields <<<"$report"
       addresses[i]=${fields[3]}

@@ -116,9 +116,10 @@ ssh_for() {
   # RemoteCommand=none: ssh refuses a command given beside one of
   # ~/.ssh/config's. ClearAllForwardings: a port forwarded there may be taken
   # by the user's own session.
-  # LogLevel=ERROR: ssh's reasons show even where the config says QUIET.
+  # LogLevel=INFO: ssh says why it failed even where the config says QUIET; a
+  # Slurm node's refusal comes as a banner, which ssh shows only at INFO or above.
   cmd=("${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new
-    -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=ERROR
+    -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=INFO
     ${ports[i]:+-p "${ports[i]}"} "$@" "${destinations[i]}")
 }
 

@@ -253,7 +253,7 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None, routed=None, ipv6=False):
+                      login_shells=None, routed=None, ipv6=False, slurm_refuses=()):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -271,6 +271,9 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         host's loopback address (eth0 then has no IPv4 address).
     ipv6: each host also holds an address in a private IPv6 /64, where its sshd
         listens too, and ssh_config reaches it there.
+    slurm_refuses: names of hosts that refuse every login as a Slurm node refuses a
+        user with no job there: sshd takes the key, then PAM's account stage
+        (pam_slurm_adopt's place) says no, in a message sshd sends as a banner.
     """
     global _instances
     _instances += 1
@@ -294,7 +297,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "id_ed25519")
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
-            _start_host(host, bridge, base, password, authorize, shell, routed, subnet)
+            _start_host(host, bridge, base, password, authorize, shell, routed, subnet,
+                        host.name in slurm_refuses)
         (base / "known_hosts").write_text(
             "".join(
                 f"{','.join(filter(None, (h.name, h.address, h.ipv6)))} "
@@ -332,7 +336,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         _teardown(hosts.values(), bridge, base)
 
 
-def _start_host(host, bridge, base, password, authorize, login_shell, routed, subnet):
+def _start_host(host, bridge, base, password, authorize, login_shell, routed, subnet,
+                slurm_refuses):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -356,6 +361,16 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed, su
         hashed = _sh("openssl", "passwd", "-6", "-stdin", input=password).stdout.strip()
     (etc / "shadow").write_text(f"root:{hashed}:19000:0:99999:7:::\n")
     (etc / "shadow").chmod(0o600)
+    if slurm_refuses:  # ip netns exec mounts this pam.d on /etc/pam.d, for sshd alone
+        refusal = host.dir / "pam_slurm_adopt"
+        refusal.write_text('#!/bin/sh\necho "Access denied by pam_slurm_adopt: you have no active '
+                           'jobs on this node"\nexit 1\n')
+        refusal.chmod(0o755)
+        (etc / "pam.d").mkdir()
+        (etc / "pam.d" / "sshd").write_text("auth required pam_deny.so\n"
+                                            f"account required pam_exec.so stdout quiet {refusal}\n"
+                                            "session required pam_deny.so\n"
+                                            "password required pam_deny.so\n")
 
     _sh("ip", "netns", "add", host.netns)
     veth = f"{host.netns}v"
@@ -381,7 +396,7 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed, su
         "PermitRootLogin yes\n"
         f"PasswordAuthentication {'yes' if password else 'no'}\n"
         "KbdInteractiveAuthentication no\n"
-        "UsePAM no\n"
+        f"UsePAM {'yes' if slurm_refuses else 'no'}\n"
         "StrictModes no\n"
         "PrintMotd no\n"
     )

@@ -126,6 +126,19 @@ def test_a_refused_login_is_not_called_unreachable(cluster, tmp_path, line, ssh_
     assert problem.startswith(f"{line}: ssh refused the login: ") and problem.endswith(fix), problem
 
 
+def test_a_login_that_slurm_refuses_says_why(tmp_path):
+    """pam_slurm_adopt's refusal, a banner, shows where ssh's config says LogLevel ERROR (as
+    the cluster's does)."""
+    require_prerequisites()
+    with simulated_cluster(1, slurm_refuses={"node1"}) as slurm:
+        hostfile = slurm.write_hostfile(tmp_path / "hosts.txt")
+        result = run_check_env(["--hosts", str(hostfile)], timeout=60, env=slurm.env())
+    assert result.returncode == 1
+    assert problem_lines(result.stdout) == [
+        "node1: ssh refused the login: Access denied by pam_slurm_adopt: you have no active jobs on this "
+        "node (Slurm lets in only users with a job there: run check_env.py in an allocation of these hosts)"]
+
+
 @pytest.mark.parametrize("network", [{"routed": "eth0"}, {"ipv6": True}], ids=["routed", "ipv6"])
 def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(tmp_path, network):
     """On a routed network (a /32 per host), and with hosts reached over IPv6: harder than

@@ -180,9 +180,9 @@ FAKETIME_LIBRARY = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), No
 def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
-    tunnel ends at 127.0.0.1, "self" is this machine, Slurm's PAM refuses "slurm", one sshd sets none, "stuck" never answers, "hung" never ends
-    once its part of a job has (as where a hung mount holds the clean-up; its preflight
-    ends), the clocks of "ahead4" and "behind40" (say) are off by
+    tunnel ends at 127.0.0.1, "self" is this machine, one sshd sets none, "stuck" never
+    answers, "hung" never ends once its part of a job has (as where a hung mount holds the
+    clean-up; its preflight ends), the clocks of "ahead4" and "behind40" (say) are off by
     that many seconds (libfaketime), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
     see this machine at 127.0.0.1: a rendezvous here, which each host tries as it starts,
     is reached without a packet leaving it."""
@@ -192,8 +192,6 @@ def ssh_here(tmp_path):
         'host=${*: -2:1}\n'
         'case $host in\n'
         '  stuck) exec sleep 600 ;;\n'
-        '  slurm) printf "Access denied by pam_slurm_adopt: you have no active jobs on this node\\r\\n'
-        'Connection closed by 10.9.0.5 port 22\\r\\n" >&2; exit 255 ;;\n'
         '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
         '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
         '  bare) unset SSH_CONNECTION ;;\n'
@@ -1308,11 +1306,15 @@ def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start)
 
 
 def test_a_login_that_slurm_refuses_says_why(tmp_path, start):
-    """pam_slurm_adopt's refusal comes before ssh's last line."""
-    launch = dry_run_on_made_up_hosts(start, tmp_path, ["fine", "slurm"], "1")
+    """pam_slurm_adopt's refusal, a banner, shows where ssh's config says LogLevel ERROR (as
+    the cluster's does)."""
+    require_prerequisites()
+    with simulated_cluster(2, slurm_refuses={"node2"}) as slurm:
+        hostfile = slurm.write_hostfile(tmp_path / "hosts.txt")
+        launch = run_launch(start, ["--dry-run", hostfile, "1", *TRAIN], launch_env(slurm), timeout=30)
     assert launch.proc.returncode == 1, launch.out + launch.err
     assert launch.err.splitlines()[1:] == [
-        "  slurm  Access denied by pam_slurm_adopt: you have no active jobs on this node (Slurm lets in "
+        "  node2  Access denied by pam_slurm_adopt: you have no active jobs on this node (Slurm lets in "
         "only users with a job there: run launch.sh in an allocation of these hosts)"], launch.err
 
 

@@ -311,16 +311,11 @@ def test_ctrl_c_in_a_terminal_stops_a_login_that_hangs(cluster, tmp_path):
 
 
 def test_a_login_that_slurm_refuses_says_why(tmp_path):
-    """pam_slurm_adopt's refusal comes before ssh's last line; no key or password helps."""
-    ssh = tmp_path / "ssh"
-    ssh.write_text('#!/bin/sh\nprintf "Access denied by pam_slurm_adopt: you have no active jobs on this node\\r\\n'
-                   'Connection closed by 10.9.0.5 port 22\\r\\n" >&2\nexit 255\n')
-    ssh.chmod(0o755)
-    hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("node1\n")
-    result = subprocess.run([SETUP, "--key", tmp_path / "id_ed25519", hostfile],
-                            env={**os.environ, "SSH_COMMAND": str(ssh)}, stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=30, start_new_session=True)
+    """pam_slurm_adopt's refusal, a banner, shows where ssh's config says LogLevel ERROR (as
+    the cluster's does); no key or password helps, so none is made."""
+    require_prerequisites()
+    with simulated_cluster(1, slurm_refuses={"node1"}) as slurm:
+        result = setup_ssh(slurm, "--key", tmp_path / "id_ed25519", slurm.write_hostfile(tmp_path / "hosts.txt"))
     assert (result.returncode, result.stderr) == (1, ""), result.stderr
     assert re.search(r"^node1 +FAILED: Access denied by pam_slurm_adopt: you have no active jobs on this node$",
                      result.stdout, re.M), result.stdout
