@@ -37,7 +37,14 @@ check_node() {
     return 1
   fi
   [[ -r /proc/self/environ ]] || { echo "fail: no /proc here to find the job's processes by"; return 1; }
-  cd -- "$workdir" 2>/dev/null || { echo "fail: no directory $workdir (see --workdir)"; return 1; }
+  if ! cd -- "$workdir" 2>/dev/null; then
+    # Its reason: a directory that is there may refuse this user, as one on a
+    # Kerberized NFS does without a ticket.
+    # shellcheck disable=SC2164 # a cd in a subshell, for its error message
+    error=$(cd -- "$workdir" 2>&1)
+    echo "fail: cannot enter $workdir here (${error##*: }): see --workdir"
+    return 1
+  fi
   if ! python=$(torchrun_python "$torchrun"); then
     if [[ $torchrun == /* ]]; then
       echo "fail: no torchrun at $torchrun"

@@ -1318,6 +1318,27 @@ def test_a_login_that_slurm_refuses_says_why(tmp_path, start):
         "only users with a job there: run launch.sh in an allocation of these hosts)"], launch.err
 
 
+@pytest.mark.parametrize("reason", ["No such file or directory", "Permission denied"])
+def test_preflight_says_why_a_host_cannot_enter_the_workdir(tmp_path, reason):
+    """A directory that is there may refuse this user, as on a Kerberized NFS without a
+    ticket: here one with no permission at all, and root without the capabilities that let
+    it pass."""
+    workdir = tmp_path / "code"
+    if reason == "Permission denied":
+        workdir.mkdir(mode=0)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    as_any_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    try:
+        result = run([*as_any_user, LAUNCH, "--dry-run", "--workdir", workdir, hostfile, "1", *TRAIN],
+                     timeout=30, env=launch_env())
+    finally:
+        if workdir.exists():
+            workdir.chmod(0o700)  # for pytest to remove
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines()[1:] == [f"  localhost  cannot enter {workdir} here ({reason}): see --workdir"]
+
+
 def test_preflight_rejects_this_machine_listed_twice(tmp_path, start):
     """localhost, and a name of this machine that launch.sh cannot tell for its own
     (another network's, say): two nodes would share its GPUs."""
