@@ -185,9 +185,9 @@ no_answer() {
 
 # Prints "ok" or why BatchMode login to host number $1 failed, as launch.sh
 # will log in (with the keys ssh offers by itself), from try_login's status $2
-# and output $3.
+# and output $3; $4 is "installed" where this run has just added the key there.
 login_result() {
-  local i=$1 status=$2 output=$3 reason login_output
+  local i=$1 status=$2 output=$3 installed=$4 reason login_output
   if ((status == 0)); then
     echo ok
     return
@@ -197,6 +197,10 @@ login_result() {
   fi
   if [[ -e $key ]] && try_login "$i" -i "$key"; then
     echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
+  elif [[ -n $installed && $login_output == *"Permission denied"* ]]; then
+    echo "FAILED: Permission denied to the key just added: sshd there ignores" \
+      "the ~/.ssh/authorized_keys that others may write to, or a directory above it (chmod" \
+      "go-w ~ there), or reads keys from elsewhere (AuthorizedKeysFile)"
   else
     reason=$(reason_line "$output")
     echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")"
@@ -212,6 +216,7 @@ main() {
   local ssh_command=() cmd=() public_key='' time_limit=()
   local i width=4 result status failed=0 needs_key=() login_output
   local login_status=() login_outputs=() # each host's latest try_login
+  local installed=()                      # "installed" where install_key succeeded
   while (($#)); do
     case $1 in
       -h | --help) usage; exit 0 ;;
@@ -253,6 +258,7 @@ main() {
   for i in "${needs_key[@]}"; do
     status=0
     install_key "$i" || status=$? # the table below reports a failure
+    if ((status == 0)); then installed[i]=installed; fi
     if ((status != 124)); then # see how the key left it
       status=0
       try_login "$i" || status=$?
@@ -261,7 +267,7 @@ main() {
   done
   printf '%-*s  %s\n' "$width" HOST "BATCHMODE LOGIN"
   for i in "${!labels[@]}"; do
-    result=$(login_result "$i" "${login_status[i]}" "${login_outputs[i]}")
+    result=$(login_result "$i" "${login_status[i]}" "${login_outputs[i]}" "${installed[i]:-}")
     [[ $result == ok ]] || failed=1
     printf '%-*s  %s\n' "$width" "${labels[i]}" "$result"
   done

@@ -253,7 +253,7 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None, routed=None, ipv6=False, slurm_refuses=()):
+                      login_shells=None, routed=None, ipv6=False, slurm_refuses=(), strict_modes=False):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -274,6 +274,8 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
     slurm_refuses: names of hosts that refuse every login as a Slurm node refuses a
         user with no job there: sshd takes the key, then PAM's account stage
         (pam_slurm_adopt's place) says no, in a message sshd sends as a banner.
+    strict_modes: sshd ignores authorized_keys where others may write to it or to
+        a directory above it, up to the home directory (as sshd does by default).
     """
     global _instances
     _instances += 1
@@ -298,7 +300,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
             _start_host(host, bridge, base, password, authorize, shell, routed, subnet,
-                        host.name in slurm_refuses)
+                        host.name in slurm_refuses, strict_modes)
         (base / "known_hosts").write_text(
             "".join(
                 f"{','.join(filter(None, (h.name, h.address, h.ipv6)))} "
@@ -337,7 +339,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
 
 
 def _start_host(host, bridge, base, password, authorize, login_shell, routed, subnet,
-                slurm_refuses):
+                slurm_refuses, strict_modes):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -397,7 +399,7 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed, su
         f"PasswordAuthentication {'yes' if password else 'no'}\n"
         "KbdInteractiveAuthentication no\n"
         f"UsePAM {'yes' if slurm_refuses else 'no'}\n"
-        "StrictModes no\n"
+        f"StrictModes {'yes' if strict_modes else 'no'}\n"
         "PrintMotd no\n"
     )
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep dir

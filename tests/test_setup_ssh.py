@@ -322,6 +322,26 @@ def test_a_login_that_slurm_refuses_says_why(tmp_path):
     assert not (tmp_path / "id_ed25519").exists()
 
 
+def test_a_key_that_sshd_ignores_once_added_says_why(tmp_path):
+    """Under sshd's StrictModes (its default), a home that others may write to makes it
+    ignore the key just added: the table says where to look. (A group's write would do on
+    RHEL; Debian's sshd allows it where the group holds the user alone, as root's does.)"""
+    require_sshpass()
+    require_prerequisites()
+    key = tmp_path / "id_ed25519"
+    with simulated_cluster(1, password=PASSWORD, authorize=False, strict_modes=True) as strict:
+        (strict.host("node1").dir / "home").chmod(0o777)
+        result = setup_ssh(strict, "--key", key, strict.write_hostfile(tmp_path / "hosts.txt"),
+                           SSHPASS=PASSWORD, SSH_COMMAND=offering(strict, key))
+        added = (strict.host("node1").dir / "home/.ssh/authorized_keys").read_text()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert added == Path(f"{key}.pub").read_text()
+    assert result.stdout.splitlines()[1:] == [
+        "node1  FAILED: Permission denied to the key just added: sshd there ignores the ~/.ssh/authorized_keys "
+        "that others may write to, or a directory above it (chmod go-w ~ there), or reads keys from elsewhere "
+        "(AuthorizedKeysFile)"], result.stdout
+
+
 def test_only_this_machine_is_nothing_to_do(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\n")
