@@ -68,7 +68,7 @@ ARCH_NAME = re.compile(r"(sm|compute)_(\d+)([af]?)")  # in torch.cuda.get_arch_l
 # the others ends the run with a message instead of hanging it.
 ALLREDUCE_SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as nccl-tests' -b 1K -e 64M -f 4
 ALLREDUCE_SIZES_NCCL = ALLREDUCE_SIZES + [256 * 2**20, 2**30]  # NVLink and InfiniBand near their peak
-ALLREDUCE_SLOW_S = 0.05  # ... unless 64 MiB took longer than this (10 GbE takes about 0.1 s)
+ALLREDUCE_SLOW_S = 0.05  # ... unless a size from 64 MiB up took longer (10 GbE takes 0.1 s for 64 MiB)
 ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
 ALLREDUCE_WARMUPS = 3  # untimed all-reduces per size: the first sets up the connections' buffers
 RDZV_READ_TIMEOUT_S = 10  # torchrun gives up connecting to the rendezvous store after this

@@ -3,7 +3,7 @@ batch 64 per process. Efficiency = thr(2) / (2 * thr(1)), where thr is the sampl
 processes together; the physical limit is 1.0, the target >= 0.85.
 
 The speed of a shared VM drifts: on the 2-CPU development VM, one process alone ran at
-anywhere from 2,200 to 3,900 samples/s from one minute to the next, so a 1-process run and
+anywhere from 2,200 to 4,500 samples/s from one minute to the next, so a 1-process run and
 a 2-process run taken one after the other gave efficiencies from 0.53 to 1.19 there. So:
 
 1. train.py itself runs under torchrun --standalone with 1 and with 2 processes, several
