@@ -10,7 +10,8 @@
 #    keys ssh offers by itself (the id_rsa a cluster made at first login, say).
 # 2. Creates the key (default: ~/.ssh/id_ed25519, no passphrase) if a host
 #    refuses those keys and it is missing; an existing key is never
-#    overwritten.
+#    overwritten. A new one named like ssh's own id_ecdsa or id_rsa is of
+#    that type (FIPS mode refuses ed25519), any other an ed25519 key.
 # 3. Adds its public key to ~/.ssh/authorized_keys on those hosts where it
 #    is not there yet, under any comment (~/.ssh 700, the file 600). Only a host
 #    that refuses the key is asked for a password: it comes from $SSHPASS
@@ -82,8 +83,15 @@ check_key() {
 }
 
 create_key() {
+  local type=ed25519
+  case ${key##*/} in
+    id_ecdsa) type=ecdsa ;;
+    id_rsa) type=rsa ;;
+  esac
   (umask 077 && mkdir -p "$(dirname -- "$key")")
-  ssh-keygen -q -t ed25519 -N '' -C "setup_ssh.sh@$(uname -n)" -f "$key"
+  ssh-keygen -q -t "$type" -N '' -C "setup_ssh.sh@$(uname -n)" -f "$key" ||
+    die "ssh-keygen cannot make a $type key $key (in FIPS mode, which refuses ed25519," \
+      "--key ~/.ssh/id_ecdsa makes an ECDSA one)"
   echo "setup_ssh.sh: created $key" >&2
   read_public_key
 }

@@ -371,6 +371,19 @@ def test_a_key_ssh_does_not_offer_is_reported(cluster, tmp_path):
     assert batch_login(cluster, cluster.hosts[1], key) == 0
 
 
+def test_a_new_key_named_id_ecdsa_is_an_ecdsa_key(cluster, tmp_path):
+    """FIPS mode (RHEL's) refuses ed25519 keys: a key named as ssh names its ECDSA one is the
+    way out."""
+    require_sshpass()
+    key = tmp_path / "id_ecdsa"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[0]}\n")
+    result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_COMMAND=offering(cluster, key))
+    assert result.returncode == 0, result.stdout + result.stderr
+    fingerprint = subprocess.run(["ssh-keygen", "-l", "-f", key], capture_output=True, text=True, check=True)
+    assert fingerprint.stdout.rstrip().endswith("(ECDSA)"), fingerprint.stdout
+
+
 def test_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
     require_sshpass()
     shells = {"node1": "/usr/bin/fish", "node2": "/usr/bin/tcsh"}  # they parse unlike sh
