@@ -15,9 +15,13 @@ equal to one that was never stopped (CPU, gloo, the same world size, batch size 
 OMP_NUM_THREADS). It may also resume on another number of processes that keeps the global
 batch: the same batches in the same order (each epoch's last aside), but not bitwise.
 
-To train your own data and model, add a branch to build_data (four tensors on the device)
-and build_model, and its name to --dataset and --arch. normalize() is the per-batch
-transform, build_optimizer the optimizer; the loss is in train_one_epoch and evaluate.
+To train your own data and model, add a branch to build_data and to build_model, and its
+name to --dataset and --arch. A build_data branch gives uint8 images as (N, C, H, W) and
+int64 labels, on the CPU; the model takes those images and gives NUM_CLASSES outputs.
+normalize() makes a batch floats with MNIST's mean and std: set your data's. A checkpoint
+knows the data by its bytes, not by what normalize does to them: a resumed run with another
+normalize goes on without a word. build_optimizer makes the optimizer; the loss is in
+train_one_epoch and evaluate.
 """
 import argparse
 import contextlib
@@ -45,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Fix: the pattern normalised with (0.5, 0.5).
+NUM_CLASSES = 10  # MNIST's digits: the models' outputs, and the labels' range
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 EVAL_BATCH_SIZE = 1024
@@ -416,7 +421,7 @@ def load_mnist(root, download, rank, local_rank, device):
                     raise ValueError(f"images {tuple(images.shape)} and labels "
                                      f"{tuple(labels.shape)} are not (N, 28, 28) and (N,)")
                 top_label = int(labels.max())
-                if top_label > 9:  # else a traceback in cross_entropy, maybe epochs later
+                if top_label >= NUM_CLASSES:  # else cross_entropy fails, maybe epochs later
                     raise ValueError(f"{labels_path} has a label {top_label}; MNIST's are 0 to 9")
         except (OSError, ValueError, struct.error) as e:
             error = f"cannot read them ({describe(e)})"
@@ -427,23 +432,41 @@ def load_mnist(root, download, rank, local_rank, device):
         error = (f"MNIST unavailable on {socket.gethostname()}: {error}. Put "
                  f"{', '.join(MNIST_FILES)} in {os.path.abspath(raw)}, or use --dataset synthetic")
     stop_together(error, secondary)
-    return train_x, train_y.long(), test_x, test_y.long()
+    return train_x.unsqueeze(1), train_y.long(), test_x.unsqueeze(1), test_y.long()  # 1 channel
 
 
 def build_data(args, rank, local_rank, device):
-    """(train_x, train_y, test_x, test_y) on the device; images stay uint8, as (N, 1, 28, 28),
-    the shape the model takes, so that normalize changes values only."""
+    """(train_x, train_y, test_x, test_y) on the device. Each branch gives images as uint8
+    (N, C, H, W), the shape the model takes, so that normalize changes values only, and
+    labels as int64 (N,), on the CPU."""
     if args.dataset == "synthetic":
         # The same fixed seed on every rank, so all ranks hold the same data set.
         train_x, train_y = synthetic_mnist(60_000, seed=1)
         test_x, test_y = synthetic_mnist(10_000, seed=2)
+        train_x, test_x = train_x.unsqueeze(1), test_x.unsqueeze(1)  # 1 channel
     else:
         train_x, train_y, test_x, test_y = load_mnist(args.data, not args.no_download,
                                                        rank, local_rank, device)
     # Fix: the pattern pushed a 47 MB data set through a per-sample PIL DataLoader with 8
     # workers per rank. One tensor on the device, indexed per batch, is many times faster.
-    return (train_x.unsqueeze(1).to(device), train_y.to(device),
-            test_x.unsqueeze(1).to(device), test_y.to(device))
+    return tuple(t.to(device) for t in (train_x, train_y, test_x, test_y))
+
+
+def check_data_layout(tensors):
+    """Stop unless build_data gave what normalize and the model take: uint8 images (N, C, H, W)
+    and int64 labels (N,) below NUM_CLASSES. Float images in [0, 1], as ToTensor makes them,
+    would be divided by 255 again and train at chance, without an error."""
+    error = None
+    for split, images, labels in (("training", *tensors[:2]), ("test", *tensors[2:])):
+        if (images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64
+                or labels.shape != images.shape[:1]):
+            error = (f"build_data gave {split} images {images.dtype} {tuple(images.shape)} and "
+                     f"labels {labels.dtype} {tuple(labels.shape)}; normalize and the model take "
+                     "uint8 images (N, C, H, W) and int64 labels (N,)")
+        elif len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < NUM_CLASSES:
+            error = (f"build_data gave {split} labels from {int(labels.min())} to "
+                     f"{int(labels.max())}; the model has NUM_CLASSES = {NUM_CLASSES} outputs")
+    stop_together(error)
 
 
 def check_same_args_everywhere(args):
@@ -474,13 +497,14 @@ def check_same_data_everywhere(tensors):
     error = None
     if mine != theirs:
         error = (f"the data set on {socket.gethostname()} ({mine}) differs from rank 0's on "
-                 f"{host0} ({theirs}): give every node the same files")
+                 f"{host0} ({theirs}): give every node the same files (data made in code needs "
+                 "the same seed on every rank)")
     stop_together(error)
     return mine
 
 
 def normalize(images):
-    """uint8 pixels -> floats with MNIST's mean and std."""
+    """uint8 pixels -> floats with MNIST's mean and std (for data of your own, its own)."""
     return (images.float() / 255 - MNIST_MEAN) / MNIST_STD
 
 
@@ -500,7 +524,7 @@ class SmallCNN(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = nn.Linear(32 * 7 * 7, 10)
+        self.fc = nn.Linear(32 * 7 * 7, NUM_CLASSES)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -524,12 +548,13 @@ def check_no_batch_of_one(model, samples_per_rank, batch_size):
 
 
 def build_model(arch):
+    """A model for MNIST's 1-channel 28x28 images; one for other images goes in a branch."""
     if arch == "cnn":
         return SmallCNN()
     import torchvision
     # Fix: resnet18(pretrained=False) is deprecated and has a 3-channel stem, which
     # crashed on MNIST's 1-channel images. weights=None, a 1-channel stem, 10 classes.
-    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    model = torchvision.models.resnet18(weights=None, num_classes=NUM_CLASSES)
     model.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
     return model
 
@@ -1040,6 +1065,7 @@ def train(args, rank, local_rank, world_size, device):
     ckpt_path = checkpoint_path(args)
     prepare_outputs(args, ckpt_path, rank)
     data = build_data(args, rank, local_rank, device)
+    check_data_layout(data)
     data_id = check_same_data_everywhere(data)  # in checkpoints too: resume needs the same data
     train_x, train_y, test_x, test_y = data
 

@@ -512,6 +512,22 @@ def test_different_data_on_one_rank_stops_every_rank(mnist_dir, tmp_path, change
     assert result.stderr.count("differs from rank 0's") == 1 and message in result.stderr
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda x, y: (x.float() / 255, y), "training images torch.float32 (512, 1, 28, 28) and labels "
+     "torch.int64 (512,); normalize and the model take uint8 images (N, C, H, W) and int64 labels (N,)"),
+    (lambda x, y: (x[:, 0], y), "training images torch.uint8 (512, 28, 28) and labels torch.int64 (512,); "
+     "normalize and the model take uint8 images (N, C, H, W) and int64 labels (N,)"),
+    (lambda x, y: (x, y + 1), "training labels from 1 to 10; the model has NUM_CLASSES = 10 outputs"),
+], ids=["float_images", "no_channel", "labels_past_the_classes"])
+def test_a_build_data_of_your_own_that_gives_other_tensors_stops_in_one_line(capsys, change, message):
+    """Float images as ToTensor makes them would train at chance without an error."""
+    train_x, train_y = train.synthetic_mnist(512, seed=1)
+    test_x, test_y = train.synthetic_mnist(101, seed=2)
+    with pytest.raises(SystemExit):
+        train.check_data_layout((*change(train_x.unsqueeze(1), train_y), test_x.unsqueeze(1), test_y))
+    assert capsys.readouterr().err == f"train.py: error: build_data gave {message}\n"
+
+
 def test_a_random_split_of_the_data_is_the_same_on_every_rank(mnist_dir, tmp_path):
     # A user's build_data that shuffles with torch's generator, as a train/val split does.
     script = patched_train(tmp_path, """build_data = train.build_data
