@@ -80,11 +80,9 @@ readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVI
 # refuses a command given beside one of the config's (tmux, say).
 # ClearAllForwardings: a port forwarded there (for Jupyter, say) is taken
 # already when the user's own session holds it, which fails every
-# connection under ExitOnForwardFailure. LogLevel=INFO: ssh says why it
-# failed even where the config says QUIET; a Slurm node's refusal comes as a
-# banner, which ssh shows only at INFO or above.
+# connection under ExitOnForwardFailure.
 readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInterval=5
-  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=INFO)
+  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes)
 readonly PREFLIGHT_SECONDS=30 # for a host's whole check: a hung login or mount must not hang here
 # torchrun's rendezvous compares each host's heartbeats, stamped by its own
 # clock, with its own clock, and takes a host whose last one looks 15 s old
@@ -135,13 +133,18 @@ die() {
 
 # Sets cmd to run function $2 with arguments "${@:3}" on host number $1.
 build_command() {
-  local i=$1 function=$2 source
+  local i=$1 function=$2 source log_level=()
   shift 2
   source="$(declare -f torchrun_python "$function"); $function \"\$@\""
+  # The checks run ssh at LogLevel=INFO, where it says why it failed even if
+  # the config says QUIET: a Slurm node's refusal is a banner, which ssh shows
+  # only at INFO or above. The job keeps the config's level, which may be
+  # there to keep a site's banner out of every host's output.
+  if [[ $function == check_node ]]; then log_level=(-o LogLevel=INFO); fi
   if [[ -n ${local_node[i]} ]]; then
     cmd=(bash -c "$source" launch.sh "$@")
   else
-    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" ${ports[i]:+-p "${ports[i]}"}
+    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" "${log_level[@]}" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
   fi
   # In a session of its own, out of reach of a signal to the whole group (a

@@ -253,7 +253,8 @@ class Cluster:
 
 @contextlib.contextmanager
 def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=True,
-                      login_shells=None, routed=None, ipv6=False, slurm_refuses=(), strict_modes=False):
+                      login_shells=None, routed=None, ipv6=False, slurm_refuses=(), strict_modes=False,
+                      banner=None):
     """Build n_hosts simulated SSH hosts; tear everything down on exit.
 
     password: if set, sshd accepts this root password (password login);
@@ -276,6 +277,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         (pam_slurm_adopt's place) says no, in a message sshd sends as a banner.
     strict_modes: sshd ignores authorized_keys where others may write to it or to
         a directory above it, up to the home directory (as sshd does by default).
+    banner: text every sshd sends before a login, as many sites' /etc/issue.net.
     """
     global _instances
     _instances += 1
@@ -300,7 +302,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
         for host in hosts.values():
             shell = (login_shells or {}).get(host.name)
             _start_host(host, bridge, base, password, authorize, shell, routed, subnet,
-                        host.name in slurm_refuses, strict_modes)
+                        host.name in slurm_refuses, strict_modes, banner)
         (base / "known_hosts").write_text(
             "".join(
                 f"{','.join(filter(None, (h.name, h.address, h.ipv6)))} "
@@ -339,7 +341,7 @@ def simulated_cluster(n_hosts=3, *, password=None, authorize=True, known_hosts=T
 
 
 def _start_host(host, bridge, base, password, authorize, login_shell, routed, subnet,
-                slurm_refuses, strict_modes):
+                slurm_refuses, strict_modes, banner):
     host.dir.mkdir()
     home = host.dir / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
@@ -390,6 +392,8 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed, su
 
     key = host.dir / "ssh_host_ed25519_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
+    if banner is not None:
+        (host.dir / "banner").write_text(banner)
     config = host.dir / "sshd_config"
     config.write_text(
         "".join(f"ListenAddress {a}\n" for a in (host.address, host.ipv6) if a)
@@ -401,6 +405,7 @@ def _start_host(host, bridge, base, password, authorize, login_shell, routed, su
         f"UsePAM {'yes' if slurm_refuses else 'no'}\n"
         f"StrictModes {'yes' if strict_modes else 'no'}\n"
         "PrintMotd no\n"
+        + (f"Banner {host.dir / 'banner'}\n" if banner is not None else "")
     )
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep dir
     _sh(
