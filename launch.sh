@@ -133,18 +133,19 @@ die() {
 
 # Sets cmd to run function $2 with arguments "${@:3}" on host number $1.
 build_command() {
-  local i=$1 function=$2 source log_level=()
+  local i=$1 function=$2 source log_level=ERROR
   shift 2
   source="$(declare -f torchrun_python "$function"); $function \"\$@\""
-  # The checks run ssh at LogLevel=INFO, where it says why it failed even if
-  # the config says QUIET: a Slurm node's refusal is a banner, which ssh shows
-  # only at INFO or above. The job keeps the config's level, which may be
-  # there to keep a site's banner out of every host's output.
-  if [[ $function == check_node ]]; then log_level=(-o LogLevel=INFO); fi
+  # ssh's LogLevel: INFO for the checks, where ssh says why it failed even if
+  # the config says QUIET (a Slurm node's refusal is a banner, which ssh shows
+  # only at INFO or above); ERROR for the job, whose output is the job's: no
+  # site's login banner on each host's first line (launch.sh itself says when
+  # ssh lost a host).
+  if [[ $function == check_node ]]; then log_level=INFO; fi
   if [[ -n ${local_node[i]} ]]; then
     cmd=(bash -c "$source" launch.sh "$@")
   else
-    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" "${log_level[@]}" ${ports[i]:+-p "${ports[i]}"}
+    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" -o LogLevel="$log_level" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
   fi
   # In a session of its own, out of reach of a signal to the whole group (a

@@ -1339,16 +1339,17 @@ def test_preflight_says_why_a_host_cannot_enter_the_workdir(tmp_path, reason):
     assert result.stderr.splitlines()[1:] == [f"  localhost  cannot enter {workdir} here ({reason}): see --workdir"]
 
 
-def test_a_sites_banner_stays_out_of_the_job_where_the_config_silences_it(tmp_path, start):
-    """ssh shows a site's login banner at LogLevel INFO, its default; a config that says ERROR,
-    as the cluster's does, may be there to silence it. The checks run at INFO, for ssh's
-    reasons; the job keeps the config's level. (The banner ends without a newline.)"""
+def test_a_sites_login_banner_stays_out_of_the_jobs_output(tmp_path, start):
+    """ssh shows a site's login banner at LogLevel INFO, its default (which this config sets
+    first, before the cluster's ERROR); the banner ends without a newline."""
     require_prerequisites()
     with simulated_cluster(1, banner="Authorized use only") as site:
+        config = tmp_path / "ssh_config"
+        config.write_text(f"LogLevel INFO\nInclude {site.ssh_config}\n")
         torchrun = stand_in_torchrun(tmp_path, "echo the job ran")
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
                                     site.write_hostfile(tmp_path / "hosts.txt"), "1", *TRAIN],
-                            launch_env(site), timeout=60)
+                            launch_env(site, SSH_COMMAND=f"ssh -F {config}"), timeout=60)
     assert launch.proc.returncode == 0, launch.out + launch.err
     assert launch.out.splitlines() == ["node1: the job ran"], launch.out
     assert "Authorized" not in launch.err, launch.err
