@@ -759,6 +759,12 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     assert check_env.forwarded_input(local) == b""  # it inherits them
 
 
+def test_an_ssh_that_fails_without_a_word_says_so():
+    """As with ssh -q in SSH_COMMAND: not an "unreachable: " that ends there."""
+    host = check_env.Host("node2", None, "node2", None, False)
+    assert check_env.failure(host, "python3", 255, "") == "unreachable: ssh said nothing"
+
+
 def test_missing_interpreter_is_a_problem_not_a_crash(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\n")

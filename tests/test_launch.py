@@ -180,8 +180,8 @@ FAKETIME_LIBRARY = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), No
 def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
-    tunnel ends at 127.0.0.1, "self" is this machine, one sshd sets none, "stuck" never
-    answers, "hung" never ends once its part of a job has (as where a hung mount holds the
+    tunnel ends at 127.0.0.1, "self" is this machine, one sshd sets none, "mute" fails
+    without a word (as ssh -q does), "stuck" never answers, "hung" never ends once its part of a job has (as where a hung mount holds the
     clean-up; its preflight ends), the clocks of "ahead4" and "behind40" (say) are off by
     that many seconds (in the time that the check reports: libfaketime fakes bash's clock
     only now and then), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
@@ -193,6 +193,7 @@ def ssh_here(tmp_path):
         'host=${*: -2:1}\n'
         'case $host in\n'
         '  stuck) exec sleep 600 ;;\n'
+        '  mute) exit 255 ;;\n'
         '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
         '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
         '  bare) unset SSH_CONNECTION ;;\n'
@@ -1308,6 +1309,13 @@ def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start)
     assert "127.0.0.1 (a tunnel?)" in failed["tunnel"]
     assert "no SSH_CONNECTION" in failed["bare"]
     assert launch.out == ""
+
+
+def test_a_host_whose_ssh_fails_without_a_word_is_not_called_silent(tmp_path, start):
+    """As with ssh -q in SSH_COMMAND: not "no answer", which would send the user to a hang."""
+    launch = dry_run_on_made_up_hosts(start, tmp_path, ["fine", "mute"], "1")
+    assert launch.proc.returncode == 1, launch.out + launch.err
+    assert launch.err.splitlines()[1:] == ["  mute  ssh said nothing"], launch.err
 
 
 def test_a_login_that_slurm_refuses_says_why(tmp_path, start):
