@@ -1055,13 +1055,14 @@ def faked_wall_clock(offset_file):
 
 def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
     """NTP may step the wall clock as a job runs: here back (bash's SECONDS with it), and
-    forward on a host (where bash's read -t checks its deadline). libfaketime reaches
-    launch.sh here (bash started through env, from Python: 20 runs in 20 on 2026-12-06),
-    but not the bash that the host's login shell starts (0 in 20): that half tests nothing
-    yet."""
+    forward on a host (where bash's read -t checks its deadline). libfaketime reaches a bash
+    only when the process that started it ran under libfaketime too (measured on
+    2026-12-06: 0 runs in 20 otherwise): launch.sh starts through env, and on the host the
+    login shell's bash, a function of its .bashrc, does."""
     here, there = tmp_path / "offset-here", tmp_path / "offset-node1"
     bashrc = cluster.host("node1").dir / "home" / ".bashrc"  # read by bash for ssh commands
-    bashrc.write_text("".join(f"export {k}={v}\n" for k, v in faked_wall_clock(there).items()))
+    faked = " ".join(f"{k}={v}" for k, v in faked_wall_clock(there).items())
+    bashrc.write_text(f'bash() {{ {faked} env bash "$@"; }}\n')
     try:
         launch = start_a_sleeping_job(tmp_path, start, "node1",
                                       launch_env(cluster, **faked_wall_clock(here)))
