@@ -7,6 +7,7 @@ a DataLoader with 8 workers and a DistributedSampler, and plain SGD at lr 0.01.
 """
 import contextlib
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -206,19 +207,18 @@ LONG_TRAIN = ["train.py", "--arch", "cnn", "--dataset", "synthetic", "--epochs",
               "--log-every", "1"]
 
 
-def tests_cluster():
-    """The module tests/cluster.py, reused rather than copied."""
+def tests_module(name):
+    """The module tests/NAME.py (cluster, conftest), reused rather than copied."""
     if str(REPO / "tests") not in sys.path:
         sys.path.insert(0, str(REPO / "tests"))
-    import cluster  # noqa: E402
-    return cluster
+    return importlib.import_module(name)
 
 
 def simulated_cluster(n_hosts):
     """tests/cluster.py's simulated_cluster(n_hosts), a context manager: network namespaces
     with a real sshd each, removed on exit. Needs root, iproute2, util-linux, openssh-server,
     openssl, and pytest (which cluster.py imports); exits with the reason when one is missing."""
-    cluster = tests_cluster()
+    cluster = tests_module("cluster")
     missing = cluster.missing_prerequisites()
     if missing:
         sys.exit("simulated cluster unavailable: " + "; ".join(missing))
@@ -292,8 +292,7 @@ class Launched:
             [LAUNCH, "--log-dir", Path(tmp) / "logs", *map(str, options), hostfile, str(nproc),
              *map(str, script_args)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            start_new_session=True, preexec_fn=tests_module("conftest").default_sigint)
         self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -309,7 +308,7 @@ class Launched:
 
     def processes(self):
         """Pids of launch.sh and what it started here: its ssh clients, say."""
-        return tests_cluster().launched_processes(self.pid, self.mark)
+        return tests_module("cluster").launched_processes(self.pid, self.mark)
 
     def output(self, last=40):
         return "\n".join(line for _, line in self.lines[-last:])
