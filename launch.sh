@@ -467,11 +467,12 @@ take_stdin() {
 run_host() {
   local i=$1 rendezvous relay status
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
-  # whole group, and the SIGHUP of a terminal closed: this script stops the
-  # host, by closing its stdin. Killed by them, the pipe would lose the host's
-  # last output. (Bash ignores INT and QUIT in a background subshell, but not
-  # in the programs that subshell runs.)
-  trap '' HUP INT QUIT
+  # whole group, the SIGHUP of a terminal closed, and the SIGTERM that
+  # timeout(1), systemd and Slurm send to the whole group: this script stops
+  # the host, by closing its stdin. Killed by them, the pipe would lose the
+  # host's last output. (Bash ignores INT and QUIT in a background subshell,
+  # but not in the programs that subshell runs.)
+  trap '' HUP INT QUIT TERM
   take_stdin "$i"
   set_node_args "$i"
   if ((i == 0)); then rendezvous=-; fi
@@ -487,10 +488,13 @@ run_host() {
   # job's stdin is otherwise /dev/null.)
   { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" &
   relay=$!
-  "${cmd[@]}" <"$tmp/relay.$i" 2>&1 | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
+  # The host's command gets SIGTERM back: a local host's job stops its workers
+  # by it.
+  (trap - TERM && exec "${cmd[@]}") <"$tmp/relay.$i" 2>&1 \
+    | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
   status=${PIPESTATUS[0]}
   # The host is done, and its pipe may stay open until this script notices.
-  kill "$relay" 2>/dev/null || true
+  kill -s KILL "$relay" 2>/dev/null || true
   wait "$relay" 2>/dev/null || true # (no "Terminated" notice)
   return "$status"
 }

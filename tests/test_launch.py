@@ -1455,6 +1455,31 @@ def test_sigterm_to_the_whole_group_during_preflight_exits_143(tmp_path, start):
     assert launch.err == "launch.sh: stopped during preflight, nothing was started\n"
 
 
+def test_sigterm_to_the_whole_group_waits_for_what_the_hosts_say_as_they_stop(tmp_path, start):
+    """timeout(1), systemd and Slurm send their SIGTERM to every process of launch.sh's group,
+    its pipelines too: they must live on to carry the hosts' last lines, and launch.sh must
+    wait for the hosts to stop."""
+    worker = tmp_path / "worker.py"  # one that saves on SIGTERM, say
+    worker.write_text("import signal, sys, time\n"
+                      "def stop(*_):\n"
+                      "    print('stopping', flush=True); time.sleep(1); print('stopped', flush=True)\n"
+                      "    sys.exit(0)\n"
+                      "signal.signal(signal.SIGTERM, stop)\n"
+                      "print('started', flush=True)\n"
+                      "while True: time.sleep(1)\n")
+    torchrun = stand_in_torchrun(tmp_path, f"{sys.executable} {worker} & wait")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN], launch_env())
+    launch.wait_for_output(r"^localhost: started$", timeout=30)
+    os.killpg(launch.pid, signal.SIGTERM)
+    assert launch.wait(15) == 143, launch.err
+    assert launch.out.endswith("localhost: stopping\nlocalhost: stopped\n"), launch.out
+    (log,) = (tmp_path / "logs").glob("*/localhost.log")
+    assert log.read_text() == "started\nstopping\nstopped\n"
+    assert not job_processes(launch)
+
+
 def test_a_host_that_ends_at_once_is_never_a_failure(tmp_path, start):
     """Races between launch.sh and a host's pipeline starting show as failures of jobs that
     end at once (13 of 40 once, when launch.sh removed a FIFO the host had yet to open)."""
@@ -1487,7 +1512,7 @@ def test_signal_to_the_whole_group_while_hosts_start(tmp_path, start, signum, st
             pytest.fail(f"launch.sh never started the hosts\n{launch.out}\n{launch.err}")
         time.sleep(0.005)
     os.kill(launch.pid, signal.SIGSTOP)  # in mid-loop
-    os.killpg(launch.pid, signum)  # TERM: the pipelines started so far die now
+    os.killpg(launch.pid, signum)  # TERM: a pipeline yet to ignore it dies now
     os.kill(launch.pid, signal.SIGCONT)
     assert launch.wait(20) == status, launch.err
     assert re.search(r"HOST +EXIT", launch.err), launch.err  # the summary: it waited for the hosts
