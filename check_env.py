@@ -845,7 +845,7 @@ def host_command(host, argv, python):
     python running FORWARD_ENV, which takes the line of forwarded_input first."""
     if host.is_local:
         return argv
-    ssh = os.environ.get("SSH_COMMAND", "ssh").split()
+    ssh = os.environ.get("SSH_COMMAND", "").split() or ["ssh"]  # unset or empty: ssh
     # -T: no terminal, even where ~/.ssh/config forces one: the report streams through
     # stdin, and a node stops when stdin ends, which a terminal never says.
     # RemoteCommand=none: ssh refuses a command given beside one of the config's (tmux, say).
@@ -930,6 +930,9 @@ def ssh_refusal_fix(reason, stderr):
         return "setup_ssh.sh installs your key; one with a passphrase needs ssh-add first"
     if reason.startswith("Access denied") and "active jobs" in reason:  # Slurm's pam_slurm_adopt
         return "Slurm lets in only users with a job there: run check_env.py in an allocation of these hosts"
+    if "Too many authentication failures" in reason:  # sshd's MaxAuthTries, 6 by default
+        return ("ssh offers other keys first, ssh-agent's say, more than the host takes: give these hosts "
+                "'IdentityFile KEY' and 'IdentitiesOnly yes' in ~/.ssh/config")
     if reason != "Host key verification failed.":
         return None
     if "REMOTE HOST IDENTIFICATION HAS CHANGED" not in stderr:
@@ -943,8 +946,10 @@ def ssh_refusal_fix(reason, stderr):
 def failure(host, python, status, stderr):
     """Why a command on host failed, in the words a user needs to fix it."""
     lines = stderr.strip().splitlines() or [""]
-    # The last line, but a PAM module's refusal, which comes before ssh's "Connection closed".
-    reason = next((line for line in lines if line.startswith("Access denied")), lines[-1])
+    # The last line, but a PAM module's refusal or sshd's reason for cutting ssh off, which
+    # come before ssh's "Connection closed" or "Disconnected from".
+    reason = next((line for line in lines if line.startswith(("Access denied", "Received disconnect from "))),
+                  lines[-1])
     if status is None:
         return reason
     if status == 255 and not host.is_local:  # ssh's own failure, not the command's

@@ -348,6 +348,7 @@ ssh_refusal_fix() {
       if [[ -z $changed ]]; then changed=" ($setup_ssh records a new host's key)"; fi
       echo "$changed"
       ;;
+    *) too_many_keys_fix "$report" ;;
   esac
 }
 

@@ -203,15 +203,21 @@ login_result() {
     no_answer
     return
   fi
-  if [[ -e $key ]] && try_login "$i" -i "$key"; then
-    echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
+  if [[ -e $key ]] && try_login "$i" -i "$key" -o IdentitiesOnly=yes; then
+    if [[ $output == *'Too many authentication failures'* ]]; then
+      echo "FAILED: works only with -i $key -o IdentitiesOnly=yes (ssh offers other keys" \
+        "first, more than the host takes): add 'IdentityFile $key' and 'IdentitiesOnly yes'" \
+        "for these hosts to ~/.ssh/config"
+    else
+      echo "FAILED: works only with -i $key: add 'IdentityFile $key' to ~/.ssh/config"
+    fi
   elif [[ -n $installed && $login_output == *"Permission denied"* ]]; then
     echo "FAILED: Permission denied to the key just added: sshd there ignores" \
       "the ~/.ssh/authorized_keys that others may write to, or a directory above it (chmod" \
       "go-w ~ there), or reads keys from elsewhere (AuthorizedKeysFile)"
   else
     reason=$(reason_line "$output")
-    echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")"
+    echo "FAILED: ${reason:-ssh said nothing}$(changed_host_key_fix "$output")$(too_many_keys_fix "$output")"
   fi
 }
 

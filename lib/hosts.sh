@@ -99,13 +99,25 @@ remote_bash_command() {
 }
 
 # Prints the line of output $1 that says why a login or a command failed: a PAM
-# module's refusal ("Access denied by pam_slurm_adopt: ..."), which comes
-# before ssh's own last line ("Connection closed by ..."), else the last line
-# that is not blank; without the \r that ssh ends its own lines with.
+# module's refusal ("Access denied by pam_slurm_adopt: ..."), or sshd's reason
+# for cutting ssh off ("Received disconnect from ...: Too many authentication
+# failures"), which come before ssh's own last line ("Connection closed by
+# ...", "Disconnected from ..."), else the last line that is not blank;
+# without the \r that ssh ends its own lines with.
 reason_line() {
   local line
-  line=$(grep -m 1 '^Access denied' <<<"$1") || line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
+  line=$(grep -m 1 -e '^Access denied' -e '^Received disconnect from ' <<<"$1") \
+    || line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
   echo "${line%$'\r'}"
+}
+
+# For ssh's output $1: where sshd cut ssh off for offering more keys than it
+# takes (MaxAuthTries, 6 by default), before the one it would accept, prints
+# what to do, in parentheses; else nothing.
+too_many_keys_fix() {
+  [[ $1 == *'Too many authentication failures'* ]] || return 0
+  echo " (ssh offers other keys first, ssh-agent's say, more than the host takes: give these" \
+    "hosts 'IdentityFile KEY' and 'IdentitiesOnly yes' in ~/.ssh/config)"
 }
 
 # For ssh's output $1: where it refused a changed host key, prints what to do,

@@ -101,6 +101,15 @@ def launched_processes(sid, mark):
     return pids
 
 
+def keys_no_host_knows(directory, count=6):
+    """Paths of count new keys in directory: offered before the one a host takes, as many as
+    sshd's MaxAuthTries (6) allows, they get ssh cut off, as an ssh-agent full of keys does."""
+    keys = [Path(directory) / f"unknown_key{i}" for i in range(count)]
+    for key in keys:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+    return keys
+
+
 def _sh(*args, **kwargs):
     return subprocess.run(
         [str(a) for a in args], check=True, capture_output=True, text=True, **kwargs

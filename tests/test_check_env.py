@@ -759,6 +759,14 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     assert check_env.forwarded_input(local) == b""  # it inherits them
 
 
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_SSH_COMMAND_is_ssh(monkeypatch, value):
+    """As launch.sh and setup_ssh.sh take it: a wrapper may export it empty."""
+    monkeypatch.setenv("SSH_COMMAND", value)
+    host = check_env.Host("node2", None, "node2", None, False)
+    assert check_env.host_command(host, ["python", "-"], "python")[:2] == ["ssh", "-T"]
+
+
 def test_an_ssh_that_fails_without_a_word_says_so():
     """As with ssh -q in SSH_COMMAND: not an "unreachable: " that ends there."""
     host = check_env.Host("node2", None, "node2", None, False)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from cluster import cluster_fixture, require_prerequisites, simulated_cluster
+from cluster import cluster_fixture, keys_no_host_knows, require_prerequisites, simulated_cluster
 from test_check_env import ALLREDUCE_SIZES, REPO, allreduce_rows, run_check_env
 
 cluster = cluster_fixture(n_hosts=3)
@@ -115,10 +115,15 @@ def test_unreachable_host_is_a_problem(cluster, tmp_path):
 @pytest.mark.parametrize("line, ssh_options, fix", [
     ("nobody@node1", "", "(setup_ssh.sh installs your key; one with a passphrase needs ssh-add first)"),
     ("node1", "-o UserKnownHostsFile=/dev/null", "(setup_ssh.sh records a new host's key)"),
-], ids=["user_unknown_there", "host_key_unknown"])
+    ("node1", "six keys first", "Too many authentication failures (ssh offers other keys first, ssh-agent's "
+     "say, more than the host takes: give these hosts 'IdentityFile KEY' and 'IdentitiesOnly yes' in "
+     "~/.ssh/config)"),
+], ids=["user_unknown_there", "host_key_unknown", "too_many_keys"])
 def test_a_refused_login_is_not_called_unreachable(cluster, tmp_path, line, ssh_options, fix):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{line}\n")
+    if ssh_options == "six keys first":
+        ssh_options = "".join(f" -i {key}" for key in keys_no_host_knows(tmp_path))
     env = cluster.env(SSH_COMMAND=f"{cluster.ssh_command} {ssh_options}")
     result = run_check_env(["--hosts", str(hostfile)], timeout=60, env=env)
     assert result.returncode == 1

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import cluster_fixture, launched_processes, require_prerequisites, simulated_cluster
+from cluster import (cluster_fixture, keys_no_host_knows, launched_processes, require_prerequisites,
+                     simulated_cluster)
 from conftest import HIDDEN_GPUS, REPO, TINY, default_sigint, linux_only, load, run, skip_or_fail
 
 pytestmark = linux_only("launch.sh's hosts read /proc, and most tests run one here")
@@ -737,12 +738,18 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
     ("", "another host's key", "Host key verification failed.",
      "(its key changed since it was recorded: find out why, then ssh-keygen -f "
      '"{known_hosts}" -R "{address}")'),
-], ids=["user_unknown_there", "host_key_unknown", "host_key_changed"])
+    # sshd's reason, not ssh's last line, "Disconnected from ..."
+    ("", None, "Received disconnect from {address} port 22:2: Too many authentication failures",
+     "(ssh offers other keys first, ssh-agent's say, more than the host takes: give these hosts "
+     "'IdentityFile KEY' and 'IdentitiesOnly yes' in ~/.ssh/config)"),
+], ids=["user_unknown_there", "host_key_unknown", "host_key_changed", "too_many_keys"])
 def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, user, known_hosts,
                                                   failure, hint):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text(f"{user}node1\n")
     ssh_command = cluster.ssh_command
+    if "Too many" in failure:
+        ssh_command += "".join(f" -i {key}" for key in keys_no_host_knows(tmp_path))
     if known_hosts:
         node1, node2 = (line.split(" ", 1) for line in cluster.known_hosts.read_text().splitlines()[:2])
         lines = {"empty": "", "another host's key": f"{node1[0]} {node2[1]}\n"}
@@ -753,7 +760,7 @@ def test_ssh_refusals_in_preflight_say_what_to_do(cluster, tmp_path, start, user
     assert launch.proc.returncode == 1
     head, row = launch.err.splitlines()
     assert head == "launch.sh: preflight failed, nothing was started:", launch.err
-    assert row.startswith(f"  {user}node1  ") and failure in row, launch.err
+    assert row.startswith(f"  {user}node1  ") and failure.format(address=cluster.address("node1")) in row, launch.err
     assert row.endswith(" " + hint.format(setup_ssh=REPO / "setup_ssh.sh", hostfile=hostfile,
                                           known_hosts=tmp_path / "known_hosts",
                                           address=cluster.address("node1"))), launch.err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cluster_fixture, require_prerequisites, simulated_cluster
+from cluster import cluster_fixture, keys_no_host_knows, require_prerequisites, simulated_cluster
 from conftest import linux_only, skip_or_fail
 
 pytestmark = linux_only("setup_ssh.sh needs bash 4.4 or newer, and macOS's is 3.2")
@@ -208,8 +208,8 @@ def test_a_key_that_cannot_be_installed_is_one_line(cluster, tmp_path, pub_given
 
 
 @contextlib.contextmanager
-def ssh_agent_holding(key, passphrase, tmp_path):
-    """An ssh-agent of this test's own, holding key; yields its SSH_AUTH_SOCK."""
+def ssh_agent_holding(keys, passphrase, tmp_path):
+    """An ssh-agent of this test's own, holding keys; yields its SSH_AUTH_SOCK."""
     socket_path = tmp_path / "agent.sock"
     agent = subprocess.Popen(["ssh-agent", "-D", "-a", socket_path], stdout=subprocess.DEVNULL,
                              start_new_session=True)
@@ -221,7 +221,7 @@ def ssh_agent_holding(key, passphrase, tmp_path):
             if socket_path.exists():
                 break
             time.sleep(0.05)
-        subprocess.run(["ssh-add", key], env={**os.environ, "SSH_AUTH_SOCK": str(socket_path),
+        subprocess.run(["ssh-add", *keys], env={**os.environ, "SSH_AUTH_SOCK": str(socket_path),
                        "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"},
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=10, check=True)
         yield str(socket_path)
@@ -251,7 +251,7 @@ def test_a_key_with_a_passphrase_is_used_through_ssh_agent(cluster, tmp_path):
     assert refused.stderr == (f"setup_ssh.sh: {key} has a passphrase, and no ssh-agent holds it: "
                               f"run 'ssh-add {key}' first\n")
     assert keys_state(cluster, key) == before
-    with ssh_agent_holding(key, "phrase", tmp_path) as agent:
+    with ssh_agent_holding([key], "phrase", tmp_path) as agent:
         result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_AUTH_SOCK=agent,
                            SSH_COMMAND=f"{cluster.ssh_command} -i {other_key} -i {key}")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -368,6 +368,25 @@ def test_a_key_ssh_does_not_offer_is_reported(cluster, tmp_path):
     result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD)
     assert result.returncode == 1
     assert f"FAILED: works only with -i {key}: add 'IdentityFile {key}'" in result.stdout, result.stdout
+    assert batch_login(cluster, cluster.hosts[1], key) == 0
+
+
+def test_an_agent_with_too_many_keys_is_reported(cluster, tmp_path):
+    """ssh offers an agent's keys before the others, and sshd cuts it off after 6: the key
+    installed works only where ssh offers it alone."""
+    require_sshpass()
+    key = tmp_path / "id_ed25519"
+    config = tmp_path / "ssh_config"  # ssh offers the agent's keys, as by default
+    config.write_text(cluster.ssh_config.read_text().replace("IdentitiesOnly yes\n", ""))
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.hosts[1]}\n")
+    with ssh_agent_holding(keys_no_host_knows(tmp_path), "", tmp_path) as agent:
+        result = setup_ssh(cluster, "--key", key, hostfile, SSHPASS=PASSWORD, SSH_AUTH_SOCK=agent,
+                           SSH_COMMAND=f"ssh -F {config} -i {key}")
+    assert result.returncode == 1
+    assert (f"FAILED: works only with -i {key} -o IdentitiesOnly=yes (ssh offers other keys first, more "
+            f"than the host takes): add 'IdentityFile {key}' and 'IdentitiesOnly yes' for these hosts "
+            "to ~/.ssh/config\n") in result.stdout, result.stdout + result.stderr
     assert batch_login(cluster, cluster.hosts[1], key) == 0
 
 
