@@ -61,6 +61,7 @@ STARTED = time.time()  # this host's clock as the report began: see fetch_report
 CONNECT_TIMEOUT_S = 5  # ssh -o ConnectTimeout: an unreachable host fails fast
 REPORT_TIMEOUT_S = 90  # a cold `import torch` on a network filesystem can be slow
 PATIENCE_S = 10  # then check_env.py names the hosts it is still waiting for
+FIRST_ALONE_S = 5  # for a login to the first remote host, before the others: see fetch_reports
 CAP_IPC_LOCK = 14  # its bit in /proc/self/status's CapEff: RDMA may pin memory past ulimit -l
 ARCH_NAME = re.compile(r"(sm|compute)_(\d+)([af]?)")  # in torch.cuda.get_arch_list()
 
@@ -501,8 +502,10 @@ def major_minor(version):
 
 def public_version(version):
     """2.8.0 of 2.8.0+cu128: PyPI's wheel and download.pytorch.org's of one release differ
-    only in that label, and the CUDA runtime and NCCL rows tell builds apart."""
-    return version.split("+")[0]
+    only in that label, and the CUDA runtime and NCCL rows tell builds apart. A label that
+    names a commit is kept: NGC's containers (2.8.0a0+5228986c39.nv25.06) and source builds
+    of one version differ in code."""
+    return re.sub(r"\+(cpu|cu\d+|rocm[\d.]+|xpu)$", "", version)
 
 
 # What must be equal on every host for a job to start: a mismatch here hangs
@@ -977,6 +980,13 @@ def fetch_report(host, python):
 
 
 def fetch_reports(hosts, python):
+    remote = [host for host in hosts if not host.is_local]
+    if len(remote) > 1:
+        # A login to the first remote host alone first, as launch.sh's preflight does: a
+        # ControlMaster it opens (to a bastion, say) then serves the others. All at once, each
+        # would open a connection of its own, and past 10 a bastion's sshd drops some
+        # (MaxStartups). Whatever fails here, that host's report says.
+        run_on_host(remote[0], ["true"], python, timeout=FIRST_ALONE_S)
     return on_every_host(hosts, lambda host: fetch_report(host, python))
 
 

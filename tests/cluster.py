@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HIDDEN_GPUS, skip_or_fail
+from conftest import HIDDEN_GPUS, run, skip_or_fail
 
 SSHD = "/usr/sbin/sshd"
 _instances = 0  # clusters built by this process, for unique names
@@ -203,6 +203,22 @@ class Cluster:
                                     f"LocalForward 127.0.0.1:{taken.getsockname()[1]} 127.0.0.1:22\n"
                                     f"ExitOnForwardFailure yes\nInclude {self.ssh_config}\n")
             yield f"ssh -F {config}"
+
+    @contextlib.contextmanager
+    def ssh_through_control_masters(self, config, masters, behind=()):
+        """An SSH_COMMAND for this cluster whose connections to the hosts masters each share a
+        ControlMaster, exited afterwards; the hosts behind are reached through masters[0]
+        (ProxyJump), as through a bastion. config: the path to write its config to."""
+        Path(config).write_text(f"Include {self.ssh_config}\n"
+                                + (f"Host {' '.join(behind)}\n  ProxyJump {masters[0]}\n" if behind else "")
+                                + f"Host {' '.join(masters)}\n  BatchMode yes\n  ControlMaster auto\n"
+                                f"  ControlPath {self.dir}/cm-%C\n  ControlPersist 60\n")
+        ssh = f"ssh -F {config}"
+        try:
+            yield ssh
+        finally:
+            for master in masters:
+                run([*ssh.split(), "-O", "exit", master], timeout=10)
 
     def write_hostfile(self, path, hosts=None):
         """Write a hosts file listing hosts (default: all) one per line."""

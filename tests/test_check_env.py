@@ -381,6 +381,13 @@ def three_hosts(b=None, c=None):
             None,
             ["c: NCCL 2.27.3 differs from a (2.30.7)"],
         ),
+        (  # NGC's containers of one torch version, from other commits
+            [host_report(n, f"10.0.0.{i}/24", torch=torch)
+             for i, (n, torch) in enumerate(zip(LABELS, ["2.8.0a0+5228986c39.nv25.06"] * 2
+                                                 + ["2.8.0a0+34c6371d24.nv25.08"]), 1)],
+            None,
+            ["c: torch 2.8.0a0+34c6371d24.nv25.08 differs from a (2.8.0a0+5228986c39.nv25.06)"],
+        ),
         (  # gloo on the CPU: one release's CPU-only and CUDA builds mix
             three_hosts(c=host_report("c", "10.0.0.3/24", torch="2.14.1+cpu", torchvision="0.29.1+cpu",
                                       cuda_runtime=None, cudnn=None, nccl=None, nccl_available=False)),
@@ -515,6 +522,7 @@ def three_hosts(b=None, c=None):
         "torch",
         "torch-first-host",
         "nccl",
+        "torch-ngc-builds",
         "cpu-only-build-on-cpus",
         "python-torchvision",
         "torchvision-broken",

@@ -54,6 +54,19 @@ def test_hosts_gathers_real_reports(cluster, tmp_path):
         assert report["env"] == {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
+def test_one_connection_to_a_bastion_serves_every_report(cluster, tmp_path):
+    """Through a bastion with a ControlMaster (as the README advises), a login to the first
+    host opens the master before the others start: all at once, each would open a connection
+    of its own, and more than sshd's MaxStartups (10) drop some."""
+    bastion_log = cluster.host("node1").dir / "sshd.log"
+    accepted_before = bastion_log.read_text().count("Accepted publickey")
+    hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", ["node2", "node3"])
+    with cluster.ssh_through_control_masters(tmp_path / "ssh_config", ["node1"], behind=["node2", "node3"]) as ssh:
+        result = run_check_env(["--hosts", str(hostfile)], timeout=120, env=cluster.env(SSH_COMMAND=ssh))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert bastion_log.read_text().count("Accepted publickey") - accepted_before == 1
+
+
 def test_variables_reach_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
     """They travel on stdin, so no login shell parses them (tcsh expands "!" even in single
     quotes)."""

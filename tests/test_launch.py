@@ -478,23 +478,6 @@ def test_ssh_config_that_forces_a_terminal_runs_a_command_and_forwards_a_port_in
     assert re.search(rf"'--rdzv-endpoint={cluster.address('node1')}:\d+' ", launch.out), launch.out
 
 
-@contextlib.contextmanager
-def ssh_through_control_masters(cluster, config, masters, behind=()):
-    """An SSH_COMMAND for this cluster whose connections to the hosts masters each share a
-    ControlMaster, exited afterwards; the hosts behind are reached through masters[0]
-    (ProxyJump), as through a bastion. config: the path to write its config to."""
-    config.write_text(f"Include {cluster.ssh_config}\n"
-                      + (f"Host {' '.join(behind)}\n  ProxyJump {masters[0]}\n" if behind else "")
-                      + f"Host {' '.join(masters)}\n  BatchMode yes\n  ControlMaster auto\n"
-                      f"  ControlPath {cluster.dir}/cm-%C\n  ControlPersist 60\n")
-    ssh = f"ssh -F {config}"
-    try:
-        yield ssh
-    finally:
-        for master in masters:
-            run([*ssh.split(), "-O", "exit", master], timeout=10)
-
-
 def test_one_connection_to_a_bastion_serves_the_whole_launch(cluster, tmp_path, start):
     """Through a bastion with a ControlMaster (as the README advises), the first host's check
     opens the master before the others start: all at once, each would open a connection of
@@ -502,7 +485,7 @@ def test_one_connection_to_a_bastion_serves_the_whole_launch(cluster, tmp_path, 
     bastion_log = cluster.host("node1").dir / "sshd.log"
     torchrun = stand_in_torchrun(tmp_path, "echo started")
     accepted_before = bastion_log.read_text().count("Accepted publickey")
-    with ssh_through_control_masters(cluster, tmp_path / "ssh_config", ["node1"], behind=["node2", "node3"]) as ssh:
+    with cluster.ssh_through_control_masters(tmp_path / "ssh_config", ["node1"], behind=["node2", "node3"]) as ssh:
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
                                     cluster.write_hostfile(tmp_path / "hosts.txt", ["node2", "node3"]), "1", *TRAIN],
                             launch_env(cluster, SSH_COMMAND=ssh), timeout=60)
@@ -1172,7 +1155,7 @@ def test_ctrl_c_to_the_whole_group_stops_hosts_reached_through_a_control_master(
     the clients stay, and launch.sh stops the hosts."""
     masters, behind = (["node1", "node2"], []) if route == "direct" else (["node3"], ["node1", "node2"])
     torchrun = stand_in_torchrun(tmp_path, "echo started; sleep 600")
-    with ssh_through_control_masters(cluster, tmp_path / "ssh_config", masters, behind) as ssh:
+    with cluster.ssh_through_control_masters(tmp_path / "ssh_config", masters, behind) as ssh:
         launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
                         cluster.write_hostfile(tmp_path / "hosts.txt", ["node1", "node2"]), "1", *TRAIN],
                        launch_env(cluster, SSH_COMMAND=ssh))
