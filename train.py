@@ -34,9 +34,11 @@ import math
 import os
 import pickle
 import re
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -382,14 +384,24 @@ def run_while_the_others_wait(work, device):
 
 
 def download_mnist(root):
+    """torchvision writes each file in place, a piece at a time: it downloads into a directory
+    of this process's own, and each file then moves into place whole. Nodes that share root
+    may download at once, and a reader sees no half-written file (nor, after a crash, the next
+    run). A process killed mid-download leaves that directory, root/.download-*, behind."""
     import torchvision  # only to download: reading needs no torchvision
+    raw = os.path.join(root, "MNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    own = tempfile.mkdtemp(prefix=".download-", dir=root)  # on raw's filesystem, for os.replace
     default_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_STALL_SECONDS)  # else a stalled download hangs the job
     try:
         for split_is_train in (True, False):
-            torchvision.datasets.MNIST(root, train=split_is_train, download=True)
+            torchvision.datasets.MNIST(own, train=split_is_train, download=True)
+        for name in MNIST_FILES:
+            os.replace(os.path.join(own, "MNIST", "raw", name), os.path.join(raw, name))
     finally:
         socket.setdefaulttimeout(default_timeout)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def load_mnist(root, download, rank, local_rank, device):

@@ -1,5 +1,8 @@
 """train.py on CPU with gloo: one process, and two or three under torchrun."""
 import contextlib
+import functools
+import gzip
+import http.server
 import importlib.util
 import os
 import resource
@@ -8,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 import warnings
 
 import pytest
@@ -453,6 +458,67 @@ torchvision.datasets.MNIST = slow_download"""
                       timeout=60)
     assert_ok(result)
     assert "(its steps 1-2 of 16) step 2 train_loss" in result.stdout, result.stdout
+
+
+def test_a_download_from_a_mirror_leaves_the_four_files_only(mnist_dir, tmp_path):
+    """torchvision's own download, from a mirror on loopback that serves the tiny MNIST
+    (gzipped, as MNIST's mirrors do: torchvision's checksums are of the real one's)."""
+    served = tmp_path / "mirror"
+    served.mkdir()
+    for name in train.MNIST_FILES:
+        (served / f"{name}.gz").write_bytes(gzip.compress((mnist_dir / "MNIST" / "raw" / name).read_bytes()))
+    handler = functools.partial(QuietFiles, directory=str(served))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as mirror:
+        threading.Thread(target=mirror.serve_forever, daemon=True).start()
+        patch = ("import torchvision\n"
+                 f"torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:{mirror.server_address[1]}/']\n"
+                 f"torchvision.datasets.MNIST.resources = [(f'{{name}}.gz', None) for name in train.MNIST_FILES]")
+        result = torchrun(2, "--arch", "cnn", "--batch-size", "16", "--data", tmp_path / "data", "--max-steps", "2",
+                          script=patched_train(tmp_path, patch), timeout=60)
+        mirror.shutdown()
+    assert_ok(result)
+    assert "step 2 train_loss" in result.stdout, result.stdout
+    assert sorted(str(path.relative_to(tmp_path / "data")) for path in (tmp_path / "data").rglob("*")) == [
+        "MNIST", "MNIST/raw", *sorted(f"MNIST/raw/{name}" for name in train.MNIST_FILES)]
+
+
+class QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_downloads_into_one_directory_at_once_show_no_half_written_file(mnist_dir, tmp_path, monkeypatch):
+    """Where rank 0's download failed, or nodes share a filesystem that rank 0's node does not,
+    each node's local rank 0 downloads, at once, into the same --data. torchvision writes
+    each file in place, a piece at a time, as this stand-in does."""
+    files = {name: (mnist_dir / "MNIST" / "raw" / name).read_bytes() for name in train.MNIST_FILES}
+
+    def mnist_written_in_pieces(root, **_):  # train=, download=
+        raw = os.path.join(root, "MNIST", "raw")
+        os.makedirs(raw, exist_ok=True)
+        for name, data in files.items():
+            with open(os.path.join(raw, name), "wb") as f:
+                f.write(data[:len(data) // 2])
+                f.flush()
+                time.sleep(0.1)
+                f.write(data[len(data) // 2:])
+
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(
+        datasets=types.SimpleNamespace(MNIST=mnist_written_in_pieces)))
+    root = tmp_path / "data"
+    downloads = [threading.Thread(target=train.download_mnist, args=(root,)) for _ in range(2)]
+    for download in downloads:
+        download.start()
+    half_written = set()
+    while any(download.is_alive() for download in downloads):
+        for path in (root / "MNIST" / "raw").glob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.read_bytes() != files[path.name]:
+                    half_written.add(path.name)
+        time.sleep(0.01)
+    assert not half_written
+    assert {path.name: path.read_bytes() for path in (root / "MNIST" / "raw").iterdir()} == files
+    assert [path.name for path in root.iterdir()] == ["MNIST"]  # no download's own directory left
 
 
 @pytest.mark.parametrize("stalled, error", [
