@@ -214,10 +214,10 @@ REFUSED_SECONDS = 30  # of refusals, before a word of warning
 endpoint, command = sys.argv[1], sys.argv[2:]
 host, port = endpoint.rsplit(":", 1)
 
-def reach():
+def reach(seconds=5):
     """None once the rendezvous port takes a connection, else the error."""
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
         return None
     except OSError as e:
         return e
@@ -229,12 +229,12 @@ def say_unreachable(error, seconds, why):
 deadline = time.monotonic() + NO_ANSWER_SECONDS
 error = reach()
 while error is not None and not isinstance(error, ConnectionRefusedError):
-    if time.monotonic() > deadline:
+    if time.monotonic() > deadline - 2:  # no time left for a pause and a try of a second
         say_unreachable(error, NO_ANSWER_SECONDS, "a firewall? The hosts must reach each other "
                         "on every TCP port, the ones gloo and NCCL pick too")
         sys.exit(1)
     time.sleep(1)
-    error = reach()
+    error = reach(max(1, min(5, deadline - time.monotonic())))
 command_pid = os.getpid()
 if error is not None and os.fork() == 0:
     deadline = time.monotonic() + REFUSED_SECONDS
