@@ -26,6 +26,7 @@ train_one_epoch and evaluate.
 import argparse
 import contextlib
 import datetime
+import functools
 import glob
 import importlib.util
 import ipaddress
@@ -360,15 +361,16 @@ def read_idx(path):
 
 def run_while_the_others_wait(work, device):
     """Run work() here, unless it is None, while every rank checks in each second until
-    no rank's work is left: a wait of any length is then many short collectives, none of
-    which reaches --timeout. Return work's error as one line, or None."""
-    errors = []
+    no rank's work is left: a wait of any length (a download, a large checkpoint on a slow
+    disk) is then many short collectives, none of which reaches --timeout. Return (what
+    work returned, the exception it raised), None for either that did not happen."""
+    outcome = [None, None]
 
     def run():
         try:
-            work()
-        except Exception as e:  # offline, a mirror down, a full disk ...
-            errors.append(describe(e))
+            outcome[0] = work()
+        except Exception as e:  # offline, a mirror down, a full disk, a corrupt file ...
+            outcome[1] = e
 
     thread = None
     if work is not None:
@@ -380,7 +382,7 @@ def run_while_the_others_wait(work, device):
             thread.join(timeout=1)
             busy = int(thread.is_alive())
         if all_reduce_sum(torch.tensor([busy], device=device)).item() == 0:
-            return errors[0] if errors else None
+            return tuple(outcome)
 
 
 def download_mnist(root):
@@ -417,10 +419,10 @@ def load_mnist(root, download, rank, local_rank, device):
     # local rank 0. Everyone else waits, for as long as a slow network takes.
     for is_downloader in (rank == 0, local_rank == 0):
         needed = is_downloader and download and not present() and error is None
-        failure = run_while_the_others_wait((lambda: download_mnist(root)) if needed else None,
-                                            device)
+        _, failure = run_while_the_others_wait(functools.partial(download_mnist, root) if needed
+                                               else None, device)
         if failure is not None:
-            error = f"download failed ({failure})"
+            error = f"download failed ({describe(failure)})"
     if not present() and error is None:
         error = "the files are missing and --no-download is set" if not download else "not found"
     if error is None:
@@ -655,7 +657,7 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
     gathered from all, and a save that fails stops them all."""
     # Fix: the pattern saved nothing, so a crash lost the whole run.
     rng_states = all_gather(rng_state(device))
-    error = None
+    write = None
     if rank == 0:
         state = {
             "model": model.state_dict(),  # unwrapped: no "module." or "_orig_mod." prefixes
@@ -670,17 +672,18 @@ def save_checkpoint(path, model, optimizer, scaler, epoch, step, args, data_id, 
             "data": data_id,  # --data may move; what it holds may not change
         }
         tmp = f"{path}.tmp"
-        try:
-            write_atomically(state, path, tmp)
-        except (OSError, RuntimeError) as e:
-            # A full disk, say. torch.save reports a failed write as a RuntimeError
-            # ("unexpected pos ...") whose context is the OSError.
-            cause = e if isinstance(e, OSError) else e.__context__
-            if not isinstance(cause, OSError):
-                raise
-            # Stop now: training on without checkpoints would risk every step from here.
-            error = (f"cannot write {cause.filename or tmp}: {cause.strerror}; "
-                     f"{path} holds the last checkpoint saved, if any")
+        write = functools.partial(write_atomically, state, path, tmp)
+    _, failure = run_while_the_others_wait(write, device)
+    error = None
+    if failure is not None:
+        # A full disk, say. torch.save reports a failed write as a RuntimeError
+        # ("unexpected pos ...") whose context is the OSError.
+        cause = failure if isinstance(failure, OSError) else failure.__context__
+        if not isinstance(cause, OSError):
+            raise failure
+        # Stop now: training on without checkpoints would risk every step from here.
+        error = (f"cannot write {cause.filename or tmp}: {cause.strerror}; "
+                 f"{path} holds the last checkpoint saved, if any")
     stop_together(error)
 
 
@@ -720,7 +723,7 @@ def checkpoint_step(path):
     return step if isinstance(step, int) else None
 
 
-def load_checkpoint(path, args, data_id, optimizer, rank, world_size):
+def load_checkpoint(path, args, data_id, optimizer, device, rank, world_size):
     """Rank 0 reads `path` (None if absent) and every rank gets a copy: nodes without a
     shared filesystem have no last.pt of their own and must still resume with rank 0."""
     # Without a shared filesystem, only the node of the last run's rank 0 holds last.pt, or
@@ -740,15 +743,20 @@ def load_checkpoint(path, args, data_id, optimizer, rank, world_size):
         error = (f"checkpoint {path} on {', '.join(ahead)} is newer than on {host0} (step "
                  f"{step0}), where global rank 0 runs, and resumes from its own: copy the "
                  "newest there, or put --checkpoint-dir on a filesystem that every node shares")
-    elif rank == 0 and exists0:
+    read = None
+    if rank == 0 and exists0 and error is None:  # weights_only: it loads no code
+        read = functools.partial(torch.load, path, map_location="cpu", weights_only=True)
+    checkpoint, failure = run_while_the_others_wait(read, device)
+    if read is not None and failure is None:
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # loads no code
             problem = why_not_resumable(checkpoint, args, data_id, optimizer, world_size)
-        except Exception as e:  # truncated, corrupt, malformed: never start over silently
-            error = (f"checkpoint {path} is unreadable ({describe(e)}); "
-                     "move it away to start over, or restore a good copy")
+        except Exception as e:  # a file of other keys or types
+            failure = e
         else:
             error = f"checkpoint {path} {problem}" if problem else None
+    if failure is not None:  # truncated, corrupt, malformed: never start over silently
+        error = (f"checkpoint {path} is unreadable ({describe(failure)}); "
+                 "move it away to start over, or restore a good copy")
     stop_together(error)
     return broadcast_from_rank0(checkpoint)
 
@@ -1097,7 +1105,7 @@ def train(args, rank, local_rank, world_size, device):
         total_steps = min(total_steps, args.max_steps)
 
     step = 0
-    checkpoint = (load_checkpoint(ckpt_path, args, data_id, optimizer, rank, world_size)
+    checkpoint = (load_checkpoint(ckpt_path, args, data_id, optimizer, device, rank, world_size)
                   if ckpt_path else None)
     if checkpoint is not None:
         step = resume_from(checkpoint, ckpt_path, model, optimizer, scaler, args, device, rank,

@@ -279,7 +279,7 @@ def test_a_checkpoint_of_other_code_is_a_clear_error(mnist_dir, tmp_path, capfd)
     train.save_checkpoint(str(ckpt_dir / "last.pt"), model, optimizer, scaler, 0, 2, namespace,
                           "the data", torch.device("cpu"), 0)
     checkpoint = train.load_checkpoint(str(ckpt_dir / "last.pt"), namespace, "the data",
-                                       optimizer, 0, 1)
+                                       optimizer, torch.device("cpu"), 0, 1)
     assert checkpoint["step"] == 2 and checkpoint["args"]["out_dir"] == str(tmp_path)
 
 
@@ -519,6 +519,30 @@ def test_downloads_into_one_directory_at_once_show_no_half_written_file(mnist_di
     assert not half_written
     assert {path.name: path.read_bytes() for path in (root / "MNIST" / "raw").iterdir()} == files
     assert [path.name for path in root.iterdir()] == ["MNIST"]  # no download's own directory left
+
+
+def test_a_checkpoint_slower_to_save_and_load_than_the_timeout_is_waited_for(mnist_dir, tmp_path):
+    """Rank 0 takes 5 s to write and to read a checkpoint (a large model on a slow disk), with
+    --timeout 3: the others wait for it in collectives of a second."""
+    patch = """import time, torch
+if os.environ["RANK"] == "0":
+    write_atomically, load = train.write_atomically, torch.load
+    def slow_write(*args, **kwargs):
+        time.sleep(5)
+        return write_atomically(*args, **kwargs)
+    def slow_load(*args, **kwargs):
+        # Not checkpoint_step's look at its step, nor all_gather_object's unpickling.
+        if str(args[0]).endswith("last.pt") and not kwargs.get("mmap"):
+            time.sleep(5)
+        return load(*args, **kwargs)
+    train.write_atomically, torch.load = slow_write, slow_load"""
+    args = [*TINY, "--data", mnist_dir, "--checkpoint-dir", tmp_path / "ckpt", "--timeout", "3"]
+    assert_ok(torchrun(2, *args, "--max-steps", "2", timeout=60))
+    result = torchrun(2, *args, "--max-steps", "4", script=patched_train(tmp_path, patch), timeout=60)
+    assert_ok(result)
+    assert "resumed from" in result.stdout and "(its steps 3-4 of 16) step 4 train_loss" in result.stdout, \
+        result.stdout
+    assert load(tmp_path / "ckpt" / "last.pt")["step"] == 4
 
 
 @pytest.mark.parametrize("stalled, error", [
