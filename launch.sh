@@ -31,10 +31,11 @@
 # for up to 5 s and then the others in parallel (so that a ControlMaster the
 # first check opens, to a bastion say, serves them all), these within 30 s:
 # SSH, bash 4.3+, the directory, torchrun, a Python 3 (torchrun's, else
-# python3), the script, the interfaces that GLOO_SOCKET_IFNAME and
-# NCCL_SOCKET_IFNAME name (where sent or set there), that the address SSH
-# reached it at is one the other hosts can use (not another host's, nor this
-# machine's where a host runs here, nor 127.0.0.1 where there are others),
+# python3), the script, a GPU where NPROC_PER_NODE is gpu, the interfaces
+# that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name (where sent or set
+# there), that the address SSH reached it at is one the other hosts can use
+# (not another host's, nor this machine's where a host runs here, nor
+# 127.0.0.1 where there are others),
 # that the hosts' clocks agree (within 4 s for certain, which catches 10 s),
 # and on the first host that --port is free. If any check fails, nothing
 # starts.
@@ -203,7 +204,7 @@ poll_pause() {
 start_check() {
   local node_port=-
   if (($1 == 0)); then node_port=${port:-free}; fi
-  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" "$gloo_sent" "$nccl_sent"
+  build_command "$1" check_node "$workdir" "$torchrun" "$script" "$node_port" "$gloo_sent" "$nccl_sent" "$nproc"
   printf -v "check_started[$1]" '%(%s)T' -1
   # (Through a pipe, not <(...): that printf would be a child of the command,
   # which never reaps it.)

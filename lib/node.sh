@@ -24,11 +24,11 @@ torchrun_python() {
 # (torchrun's Python may need an --env-file's LD_LIBRARY_PATH). On the first
 # host, PORT is the rendezvous port to check, or "free" to pick one; elsewhere
 # "-". GLOO and NCCL are the GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME the job
-# gets, or "-" where it gets this host's own.
+# gets, or "-" where it gets this host's own. NPROC is NPROC_PER_NODE.
 # Prints "ok SSH_CONNECTION PORT TIME" ("-" where unknown), TIME as this
 # host's clock has it, in seconds since the epoch.
 check_node() {
-  local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 python
+  local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 nproc=$7 python
   local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from entry error bound
   while IFS= read -r -d '' entry && [[ -n $entry ]]; do export "${entry?}"; done
   echo # ends a line that the host's login scripts may have left open, a banner say
@@ -66,6 +66,14 @@ check_node() {
     return 1
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
+  # torchrun's "gpu" is the number of GPUs torch sees, and a traceback where
+  # there is none. Their device files: NVIDIA's, Jetson's, ROCm's, WSL's.
+  if [[ $nproc == gpu ]] && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null \
+    && [[ ! -e /dev/nvhost-ctrl-gpu && ! -e /dev/kfd && ! -e /dev/dxg ]]; then
+    echo "fail: NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0): give a number of" \
+      "processes per host instead, to train on the CPUs"
+    return 1
+  fi
   # Interface names differ from host to host (eth0, ens5): gloo fails at start-up
   # on one this host lacks, NCCL at its first collective. /proc/self/net/dev lists
   # the interfaces of this process's network namespace, two header lines first.
