@@ -247,7 +247,8 @@ def nccl_version(torch, maps=Path("/proc/self/maps")):
     mapped = ""
     with contextlib.suppress(OSError):  # no /proc: macOS
         mapped = maps.read_text()
-    loaded = re.search(r"\s(/\S*/libnccl\.so[.\d]*)$", mapped, re.M)
+    # Each line: address, permissions, offset, device, inode, then the path, spaces and all.
+    loaded = re.search(r"^(?:\S+\s+){5}(/.*/libnccl\.so[.\d]*)$", mapped, re.M)
     if loaded is None:
         return ".".join(map(str, torch.cuda.nccl.version()))
     number = ctypes.c_int()

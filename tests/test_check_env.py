@@ -249,6 +249,8 @@ def test_cudnn_version_is_readable():
 @pytest.mark.parametrize("mapped, version", [
     ("7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 42 /venv/site-packages/nvidia/nccl/lib/libnccl.so.2\n",
      "2.28.9"),  # what the library says
+    ("7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 42 /home/me/my venv/nvidia/nccl/lib/libnccl.so.2\n",
+     "2.28.9"),  # a path with a space
     ("7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 42 /venv/site-packages/torch/lib/libtorch_cuda.so\n",
      "2.27.3"),  # NCCL linked into torch: torch's word
 ])
@@ -256,7 +258,7 @@ def test_nccl_version_is_the_loaded_librarys(tmp_path, monkeypatch, mapped, vers
     """torch.cuda.nccl.version() is the NCCL torch was built with, alike on every host."""
     class Library:
         def __init__(self, path):
-            assert path == "/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"
+            assert path == mapped.split(" 42 ")[1].rstrip("\n")
 
         def ncclGetVersion(self, number):
             number._obj.value = 22809
