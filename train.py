@@ -419,8 +419,8 @@ def load_mnist(root, download, rank, local_rank, device):
     # local rank 0. Everyone else waits, for as long as a slow network takes.
     for is_downloader in (rank == 0, local_rank == 0):
         needed = is_downloader and download and not present() and error is None
-        _, failure = run_while_the_others_wait(functools.partial(download_mnist, root) if needed
-                                               else None, device)
+        fetch = functools.partial(download_mnist, root) if needed else None
+        _, failure = run_while_the_others_wait(fetch, device)
         if failure is not None:
             error = f"download failed ({describe(failure)})"
     if not present() and error is None:
