@@ -1299,9 +1299,9 @@ def dry_run_on_made_up_hosts(start, tmp_path, hosts, nproc):
 
 def test_one_host_reached_through_a_tunnel_is_fine(tmp_path, start):
     """No other host needs to reach it; and NPROC_PER_NODE may be torchrun's word."""
-    launch = dry_run_on_made_up_hosts(start, tmp_path, ["tunnel"], "gpu")
+    launch = dry_run_on_made_up_hosts(start, tmp_path, ["tunnel"], "auto")
     assert launch.proc.returncode == 0, launch.out + launch.err
-    assert "'--local-addr=127.0.0.1'" in launch.out and "'--nproc-per-node=gpu'" in launch.out, launch.out
+    assert "'--local-addr=127.0.0.1'" in launch.out and "'--nproc-per-node=auto'" in launch.out, launch.out
 
 
 def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start):
