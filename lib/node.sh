@@ -30,6 +30,7 @@ torchrun_python() {
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 gloo=$5 nccl=$6 nproc=$7 python
   local interfaces=() names=() missing=() name prefix matched gloo_from nccl_from entry error bound
+  local vendor gpu_seen=''
   while IFS= read -r -d '' entry && [[ -n $entry ]]; do export "${entry?}"; done
   echo # ends a line that the host's login scripts may have left open, a banner say
   if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 403)); then
@@ -67,12 +68,21 @@ check_node() {
   fi
   [[ -f $script ]] || { echo "fail: no $script in $workdir (cd to it, or see --workdir)"; return 1; }
   # torchrun's "gpu" is the number of GPUs torch sees, and a traceback where
-  # there is none. Their device files: NVIDIA's, Jetson's, ROCm's, WSL's.
-  if [[ $nproc == gpu ]] && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null \
-    && [[ ! -e /dev/nvhost-ctrl-gpu && ! -e /dev/kfd && ! -e /dev/dxg ]]; then
-    echo "fail: NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0): give a number of" \
-      "processes per host instead, to train on the CPUs"
-    return 1
+  # there is none. A GPU shows as a device file (NVIDIA's, Jetson's, ROCm's,
+  # WSL's), or before its first use, where no udev rule makes NVIDIA's, on the
+  # PCI bus (vendor 0x10de, a display controller).
+  if [[ $nproc == gpu ]]; then
+    if compgen -G '/dev/nvidia[0-9]*' >/dev/null || [[ -e /dev/nvhost-ctrl-gpu || -e /dev/kfd || -e /dev/dxg ]]; then
+      gpu_seen=yes
+    fi
+    for vendor in /sys/bus/pci/devices/*/vendor; do
+      if [[ $(<"$vendor") == 0x10de && $(<"${vendor%vendor}class") == 0x03* ]]; then gpu_seen=yes; fi
+    done 2>/dev/null
+    if [[ -z $gpu_seen ]]; then
+      echo "fail: NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0, none on its PCI bus):" \
+        "give a number of processes per host instead, to train on the CPUs"
+      return 1
+    fi
   fi
   # Interface names differ from host to host (eth0, ens5): gloo fails at start-up
   # on one this host lacks, NCCL at its first collective. /proc/self/net/dev lists

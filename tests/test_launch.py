@@ -827,15 +827,20 @@ def test_preflight_says_where_the_script_is_missing(tmp_path, start):
 
 def test_preflight_says_where_nproc_gpu_finds_no_gpu(tmp_path, start):
     """torchrun's own answer is two tracebacks, after the hosts have started."""
-    if any(path for name in ("nvidia[0-9]*", "nvhost-ctrl-gpu", "kfd", "dxg") for path in Path("/dev").glob(name)):
+    nvidia_on_pci = [vendor for vendor in Path("/sys/bus/pci/devices").glob("*/vendor")
+                     if vendor.read_text().strip() == "0x10de"
+                     and (vendor.parent / "class").read_text().startswith("0x03")]
+    if nvidia_on_pci or any(path for name in ("nvidia[0-9]*", "nvhost-ctrl-gpu", "kfd", "dxg")
+                            for path in Path("/dev").glob(name)):
         pytest.skip("this machine has a GPU")
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\n")
     launch = run_launch(start, [hostfile, "gpu", *TRAIN], launch_env(), timeout=30)
     assert launch.proc.returncode == 1
     assert launch.err == ("launch.sh: preflight failed, nothing was started:\n"
-                          "  localhost  NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0): give "
-                          "a number of processes per host instead, to train on the CPUs\n"), launch.err
+                          "  localhost  NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0, none "
+                          "on its PCI bus): give a number of processes per host instead, to train on the CPUs\n"), \
+        launch.err
 
 
 def test_a_relative_workdir_is_taken_from_here(tmp_path, start):
