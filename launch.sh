@@ -469,11 +469,11 @@ take_stdin() {
 run_host() {
   local i=$1 rendezvous relay status
   # Its programs ignore Ctrl-C and Ctrl-\, which a terminal sends to the
-  # whole group, the SIGHUP of a terminal closed, and the SIGTERM that
-  # timeout(1), systemd and Slurm send to the whole group: this script stops
-  # the host, by closing its stdin. Killed by them, the pipe would lose the
-  # host's last output. (Bash ignores INT and QUIT in a background subshell,
-  # but not in the programs that subshell runs.)
+  # whole group, the SIGHUP of a terminal closed, and a SIGTERM to the whole
+  # group (timeout(1)) or to every process (systemd): this script stops the
+  # host, by closing its stdin. Killed by them, the pipe would lose the host's
+  # last output. (Bash ignores INT and QUIT in a background subshell, but not
+  # in the programs that subshell runs.)
   trap '' HUP INT QUIT TERM
   take_stdin "$i"
   set_node_args "$i"
@@ -490,9 +490,10 @@ run_host() {
   # job's stdin is otherwise /dev/null.)
   { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" &
   relay=$!
-  # The host's command gets SIGTERM back: a local host's job stops its workers
-  # by it.
-  (trap - TERM && exec "${cmd[@]}") <"$tmp/relay.$i" 2>&1 \
+  # A local host's command gets SIGTERM back, as its job stops its workers by
+  # it; ssh keeps ignoring it (out of reach of a SIGTERM to the group, in a
+  # session of its own, it gets one only as every process does).
+  (if [[ -n ${local_node[i]} ]]; then trap - TERM; fi && exec "${cmd[@]}") <"$tmp/relay.$i" 2>&1 \
     | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"
   status=${PIPESTATUS[0]}
   # The host is done, and its pipe may stay open until this script notices.

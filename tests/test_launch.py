@@ -1463,11 +1463,9 @@ def test_sigterm_to_the_whole_group_during_preflight_exits_143(tmp_path, start):
     assert launch.err == "launch.sh: stopped during preflight, nothing was started\n"
 
 
-def test_sigterm_to_the_whole_group_waits_for_what_the_hosts_say_as_they_stop(tmp_path, start):
-    """timeout(1), systemd and Slurm send their SIGTERM to every process of launch.sh's group,
-    its pipelines too: they must live on to carry the hosts' last lines, and launch.sh must
-    wait for the hosts to stop."""
-    worker = tmp_path / "worker.py"  # one that saves on SIGTERM, say
+def stand_in_torchrun_whose_worker_saves_on_sigterm(tmp_path):
+    """It prints "started"; on SIGTERM, "stopping", and a second later "stopped"."""
+    worker = tmp_path / "worker.py"
     worker.write_text("import signal, sys, time\n"
                       "def stop(*_):\n"
                       "    print('stopping', flush=True); time.sleep(1); print('stopped', flush=True)\n"
@@ -1475,7 +1473,14 @@ def test_sigterm_to_the_whole_group_waits_for_what_the_hosts_say_as_they_stop(tm
                       "signal.signal(signal.SIGTERM, stop)\n"
                       "print('started', flush=True)\n"
                       "while True: time.sleep(1)\n")
-    torchrun = stand_in_torchrun(tmp_path, f"{sys.executable} {worker} & wait")
+    return stand_in_torchrun(tmp_path, f"{sys.executable} {worker} & wait")
+
+
+def test_sigterm_to_the_whole_group_waits_for_what_the_hosts_say_as_they_stop(tmp_path, start):
+    """timeout(1) sends its SIGTERM to every process of launch.sh's group, its pipelines too:
+    they must live on to carry the hosts' last lines, and launch.sh must wait for the hosts
+    to stop."""
+    torchrun = stand_in_torchrun_whose_worker_saves_on_sigterm(tmp_path)
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\n")
     launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1", *TRAIN], launch_env())
@@ -1486,6 +1491,22 @@ def test_sigterm_to_the_whole_group_waits_for_what_the_hosts_say_as_they_stop(tm
     (log,) = (tmp_path / "logs").glob("*/localhost.log")
     assert log.read_text() == "started\nstopping\nstopped\n"
     assert not job_processes(launch)
+
+
+def test_sigterm_to_every_process_of_the_launch_waits_for_what_a_remote_host_says(cluster, tmp_path, start):
+    """systemd (and Slurm, by cgroup) send their SIGTERM to every process of the job, ssh too,
+    which must live on to carry the host's last lines."""
+    torchrun = stand_in_torchrun_whose_worker_saves_on_sigterm(tmp_path)
+    launch = start(["--log-dir", tmp_path / "logs", "--torchrun", torchrun,
+                    cluster.write_hostfile(tmp_path / "hosts.txt", ["node1"]), "1", *TRAIN], launch_env(cluster))
+    launch.wait_for_output(r"^node1: started$", timeout=30)
+    for pid in launch.processes():  # here, not on the host
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert launch.wait(15) == 143, launch.err
+    assert launch.out.endswith("node1: stopping\nnode1: stopped\n"), launch.out
+    assert re.search(r"^  node1 +143 .*stopped by launch.sh", launch.err, re.M), launch.err
+    assert_nothing_left(cluster, launch)
 
 
 def test_a_host_that_ends_at_once_is_never_a_failure(tmp_path, start):
