@@ -389,18 +389,23 @@ def download_mnist(root):
     """torchvision writes each file in place, a piece at a time: it downloads into a directory
     of this process's own, and each file then moves into place whole. Nodes that share root
     may download at once, and a reader sees no half-written file (nor, after a crash, the next
-    run). A process killed mid-download leaves that directory, root/.download-*, behind."""
+    run). The .gz files already in MNIST/raw (downloaded by hand) are used, as torchvision
+    would. A process killed mid-download leaves that directory, MNIST/raw/.download-*."""
     import torchvision  # only to download: reading needs no torchvision
     raw = os.path.join(root, "MNIST", "raw")
     os.makedirs(raw, exist_ok=True)
-    own = tempfile.mkdtemp(prefix=".download-", dir=root)  # on raw's filesystem, for os.replace
+    own = tempfile.mkdtemp(prefix=".download-", dir=raw)  # on raw's filesystem, for os.replace
+    own_raw = os.path.join(own, "MNIST", "raw")
+    os.makedirs(own_raw)
+    for archive in glob.glob(os.path.join(raw, "*.gz")):
+        shutil.copy(archive, own_raw)
     default_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_STALL_SECONDS)  # else a stalled download hangs the job
     try:
         for split_is_train in (True, False):
             torchvision.datasets.MNIST(own, train=split_is_train, download=True)
         for name in MNIST_FILES:
-            os.replace(os.path.join(own, "MNIST", "raw", name), os.path.join(raw, name))
+            os.replace(os.path.join(own_raw, name), os.path.join(raw, name))
     finally:
         socket.setdefaulttimeout(default_timeout)
         shutil.rmtree(own, ignore_errors=True)

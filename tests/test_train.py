@@ -460,26 +460,30 @@ torchvision.datasets.MNIST = slow_download"""
     assert "(its steps 1-2 of 16) step 2 train_loss" in result.stdout, result.stdout
 
 
-def test_a_download_from_a_mirror_leaves_the_four_files_only(mnist_dir, tmp_path):
+@pytest.mark.parametrize("archives", ["on_the_mirror", "in_raw"])
+def test_a_download_from_a_mirror_leaves_the_four_files_only(mnist_dir, tmp_path, archives):
     """torchvision's own download, from a mirror on loopback that serves the tiny MNIST
-    (gzipped, as MNIST's mirrors do: torchvision's checksums are of the real one's)."""
-    served = tmp_path / "mirror"
-    served.mkdir()
+    (gzipped, as MNIST's mirrors do: torchvision's checksums are of the real one's); or
+    without one, from the archives a user put in MNIST/raw, which torchvision takes."""
+    served = tmp_path / "mirror" if archives == "on_the_mirror" else tmp_path / "data" / "MNIST" / "raw"
+    served.mkdir(parents=True)
     for name in train.MNIST_FILES:
         (served / f"{name}.gz").write_bytes(gzip.compress((mnist_dir / "MNIST" / "raw" / name).read_bytes()))
     handler = functools.partial(QuietFiles, directory=str(served))
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as mirror:
         threading.Thread(target=mirror.serve_forever, daemon=True).start()
+        port = mirror.server_address[1] if archives == "on_the_mirror" else 9  # refused: offline
         patch = ("import torchvision\n"
-                 f"torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:{mirror.server_address[1]}/']\n"
+                 f"torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:{port}/']\n"
                  f"torchvision.datasets.MNIST.resources = [(f'{{name}}.gz', None) for name in train.MNIST_FILES]")
         result = torchrun(2, "--arch", "cnn", "--batch-size", "16", "--data", tmp_path / "data", "--max-steps", "2",
                           script=patched_train(tmp_path, patch), timeout=60)
         mirror.shutdown()
     assert_ok(result)
     assert "step 2 train_loss" in result.stdout, result.stdout
+    kept = [f"MNIST/raw/{name}.gz" for name in train.MNIST_FILES] if archives == "in_raw" else []
     assert sorted(str(path.relative_to(tmp_path / "data")) for path in (tmp_path / "data").rglob("*")) == [
-        "MNIST", "MNIST/raw", *sorted(f"MNIST/raw/{name}" for name in train.MNIST_FILES)]
+        "MNIST", "MNIST/raw", *sorted([f"MNIST/raw/{name}" for name in train.MNIST_FILES] + kept)]
 
 
 class QuietFiles(http.server.SimpleHTTPRequestHandler):
@@ -511,14 +515,15 @@ def test_downloads_into_one_directory_at_once_show_no_half_written_file(mnist_di
         download.start()
     half_written = set()
     while any(download.is_alive() for download in downloads):
-        for path in (root / "MNIST" / "raw").glob("*"):
+        for name, data in files.items():
             with contextlib.suppress(FileNotFoundError):
-                if path.read_bytes() != files[path.name]:
-                    half_written.add(path.name)
+                if (root / "MNIST" / "raw" / name).read_bytes() != data:
+                    half_written.add(name)
         time.sleep(0.01)
     assert not half_written
     assert {path.name: path.read_bytes() for path in (root / "MNIST" / "raw").iterdir()} == files
-    assert [path.name for path in root.iterdir()] == ["MNIST"]  # no download's own directory left
+    assert [path.name for path in root.iterdir()] == ["MNIST"]
+    assert sorted(path.name for path in (root / "MNIST" / "raw").iterdir()) == sorted(files)  # nothing else left
 
 
 def test_a_checkpoint_slower_to_save_and_load_than_the_timeout_is_waited_for(mnist_dir, tmp_path):
