@@ -396,12 +396,12 @@ def download_mnist(root):
     os.makedirs(raw, exist_ok=True)
     own = tempfile.mkdtemp(prefix=".download-", dir=raw)  # on raw's filesystem, for os.replace
     own_raw = os.path.join(own, "MNIST", "raw")
-    os.makedirs(own_raw)
-    for archive in glob.glob(os.path.join(raw, "*.gz")):
-        shutil.copy(archive, own_raw)
     default_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_STALL_SECONDS)  # else a stalled download hangs the job
     try:
+        os.makedirs(own_raw)
+        for archive in glob.glob(os.path.join(raw, "*.gz")):
+            shutil.copy(archive, own_raw)
         for split_is_train in (True, False):
             torchvision.datasets.MNIST(own, train=split_is_train, download=True)
         for name in MNIST_FILES:

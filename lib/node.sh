@@ -71,12 +71,10 @@ check_node() {
   # there is none. A GPU shows as a device file (NVIDIA's, Jetson's, ROCm's,
   # WSL's), or before its first use, where no udev rule makes NVIDIA's, on the
   # PCI bus (vendor 0x10de, a display controller).
-  if [[ $nproc == gpu ]]; then
-    if compgen -G '/dev/nvidia[0-9]*' >/dev/null || [[ -e /dev/nvhost-ctrl-gpu || -e /dev/kfd || -e /dev/dxg ]]; then
-      gpu_seen=yes
-    fi
+  if [[ $nproc == gpu ]] && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null \
+    && [[ ! -e /dev/nvhost-ctrl-gpu && ! -e /dev/kfd && ! -e /dev/dxg ]]; then
     for vendor in /sys/bus/pci/devices/*/vendor; do
-      if [[ $(<"$vendor") == 0x10de && $(<"${vendor%vendor}class") == 0x03* ]]; then gpu_seen=yes; fi
+      if [[ $(<"$vendor") == 0x10de && $(<"${vendor%vendor}class") == 0x03* ]]; then gpu_seen=yes; break; fi
     done 2>/dev/null
     if [[ -z $gpu_seen ]]; then
       echo "fail: NPROC_PER_NODE is gpu, but this host has no GPU (no /dev/nvidia0, none on its PCI bus):" \
