@@ -745,7 +745,7 @@ main() {
       torchrun=$(pyenv which torchrun) || die "pyenv finds no torchrun here; use --torchrun"
     fi
   fi
-  read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  read_ssh_command
   label_width=4
   for i in "${labels[@]}"; do ((${#i} <= label_width)) || label_width=${#i}; done
 

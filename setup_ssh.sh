@@ -247,7 +247,7 @@ main() {
     echo "setup_ssh.sh: every host in $1 is this machine, which needs no SSH: nothing to do"
     return 0
   fi
-  read -ra ssh_command <<<"${SSH_COMMAND:-ssh}"
+  read_ssh_command
   choose_time_limit
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \

@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 #
-# What launch.sh and setup_ssh.sh share: reading a hosts file, and the command
-# line that runs bash on a host. Source it; the caller defines die MESSAGE
-# (prints and exits 2).
+# What launch.sh and setup_ssh.sh share: reading a hosts file and SSH_COMMAND,
+# and the command line that runs bash on a host. Source it; the caller defines
+# die MESSAGE (prints and exits 2).
 #
 # One host per line, [user@]host[:port]; '#' starts a comment. A line with any
 # other character (a shell metacharacter above all) is an error, so no line
@@ -69,6 +69,13 @@ read_hostfile() {
     local_node+=("$is_local")
   done <"$file"
   ((${#labels[@]})) || die "$file: no hosts"
+}
+
+# Sets the caller's array ssh_command to $SSH_COMMAND split on spaces, or to
+# ssh where that is unset or blank.
+read_ssh_command() {
+  read -ra ssh_command <<<"${SSH_COMMAND:-}"
+  ((${#ssh_command[@]})) || ssh_command=(ssh)
 }
 
 # Dies unless this bash is at least version $1.$2.

@@ -597,6 +597,22 @@ def test_preflight_finds_torchruns_python_on_a_host_without_python3(tmp_path, st
         assert launch.err.splitlines()[1].startswith(line), launch.err
 
 
+@pytest.mark.parametrize("script", ["launch.sh", "setup_ssh.sh"])
+def test_a_blank_SSH_COMMAND_is_ssh(tmp_path, script):
+    """As in check_env.py: SSH_COMMAND=" " runs ssh, not its options as the command."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("host\n")
+    args = {"launch.sh": ["--dry-run", hostfile, "1", *TRAIN], "setup_ssh.sh": ["--key", tmp_path / "id", hostfile]}
+    ssh_command, ssh_called = fake_ssh(tmp_path)
+    Path(ssh_command).rename(tmp_path / "ssh")
+    env = launch_env(SSH_COMMAND=" ")
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    result = subprocess.run([REPO / script, *args[script]], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=30, start_new_session=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert " host " in ssh_called.read_text()
+
+
 @pytest.mark.parametrize("name", [socket.gethostname(), "box", "127.0.0.1", "\ufefflocalhost"],
                          ids=["own_name", "short_name", "loopback", "after_a_byte_order_mark"])
 def test_own_name_and_loopback_run_locally(tmp_path, start, name):
