@@ -198,7 +198,7 @@ def verdict(value, target, at_least=True):
 
 
 # ----------------------------------------------------------------------------- launch.sh, cluster
-# For launch_latency.py and teardown.py (issue 5, items 4 and 5): launch.sh on tests/cluster.py's
+# For launch_latency.py and teardown.py: launch.sh on tests/cluster.py's
 # simulated cluster, started as tests/test_launch.py starts it.
 
 LAUNCH = REPO / "launch.sh"

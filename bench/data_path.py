@@ -5,7 +5,7 @@ An epoch of the pattern starts its 8 workers, decodes each sample through PIL, T
 Normalize, collates, and (on a GPU) copies each batch to the device. An epoch of train.py
 draws its shard order (epoch_order), indexes the uint8 tensor already on the device, and
 normalises the batch there. Loading the files into memory happens once per run in both and
-is not timed. Target (issue 5): train.py >= 5x the pattern on CPU, >= 20x on a GPU.
+is not timed. Target: train.py >= 5x the pattern on CPU, >= 20x on a GPU.
 """
 import argparse
 import time

@@ -2,12 +2,16 @@
 #
 # Usage: bench/gpu.sh OUTDIR
 #
-# On a machine with a CUDA GPU: runs what fills bench/README.md's GPU rows,
-# data_path.py and step_throughput.py, then tests/test_gpu.py, unattended,
-# with the python3 on PATH. Each runs under a time limit of its own, so that
-# one that hangs leaves time for the rest. Its output goes to OUTDIR/NAME.txt,
-# and its exit status and seconds to OUTDIR/status.txt; OUTDIR/machine.txt
-# names the GPU, Python and torch. 10 minutes at most (the limits' sum).
+# On a machine with a CUDA GPU, unattended, with the python3 on PATH: a run
+# of train.py under torchrun on nccl (a few steps, to tell a machine where
+# torchrun cannot start from a failing test), then tests/test_gpu.py, then
+# what fills bench/README.md's GPU rows, data_path.py and step_throughput.py.
+# Each runs under a time limit of its own, so that one that hangs leaves time
+# for the rest. Its output goes to OUTDIR/NAME.txt, and its exit status and
+# seconds to OUTDIR/status.txt; OUTDIR/machine.txt names the GPU, Python and
+# torch, and whether this machine's name resolves (torchrun --standalone
+# waits for ever where it does not). 10 minutes at most (the limits' sum).
+# Exits with the last non-zero status of a step, else 0.
 
 set -euo pipefail
 
@@ -23,6 +27,7 @@ run_step() {
   # SIGTERM at the limit: the benchmarks then stop what they started.
   timeout -k 10 "$limit" "$@" >"$out/$name.txt" 2>&1 || status=$?
   echo "$name: exit status $status after $((SECONDS - started)) s" | tee -a "$out/status.txt"
+  if ((status != 0)); then failed_status=$status; fi
 }
 
 main() {
@@ -39,13 +44,18 @@ main() {
   : >"$out/status.txt"
   cd -- "$(dirname -- "$0")/.."
   export PYTHONUNBUFFERED=1 REQUIRE_GPU_TESTS=1
+  failed_status=0
   {
     nvidia-smi -L || true
-    python3 -c 'import sys, torch; print(sys.version, torch.__version__, torch.cuda.get_device_name())'
+    timeout 20 python3 -c 'import sys, torch; print(sys.version, torch.__version__, torch.cuda.get_device_name())'
+    echo "name: $(hostname -f 2>&1), resolves to: $(timeout 10 getent hosts "$(hostname -f)" 2>&1)"
   } >"$out/machine.txt" 2>&1 || true
-  run_step data_path 100 python3 bench/data_path.py
-  run_step step_throughput 200 python3 bench/step_throughput.py
-  run_step test_gpu 270 python3 -m pytest -n 0 -p no:cacheprovider tests/test_gpu.py
+  run_step nccl_smoke 45 python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
+    train.py --dataset synthetic --arch cnn --max-steps 3
+  run_step test_gpu 260 python3 -m pytest -n 0 -p no:cacheprovider tests/test_gpu.py
+  run_step data_path 80 python3 bench/data_path.py
+  run_step step_throughput 180 python3 bench/step_throughput.py
+  exit "$failed_status"
 }
 
 main "$@"

@@ -1,15 +1,15 @@
 """Memory: peak resident memory of one rank, counting every process the rank owns (its
 DataLoader workers included), for train.py against the documented pattern (8 workers).
-Target (issue 5): train.py <= 1/4 of the pattern, on CPU. On a GPU machine too, every run
+Target: train.py <= 1/4 of the pattern, on CPU. On a GPU machine too, every run
 is on the CPU (CUDA hidden): on a GPU, train.py's data set would leave host memory, and
 RSS would count CUDA's libraries instead.
 
 Each runs alone, one process as one rank (a world of one, no torchrun: the launcher is
 shared by a node's ranks), the same cnn and the same MNIST-format files, while psutil
-samples the process tree. RSS, the issue's measure, counts a page shared by several
+samples the process tree. RSS, the target's measure, counts a page shared by several
 processes (torch's libraries, the data set a forked worker inherits) once per process;
 PSS splits each shared page among its sharers, so the PSS sum is what the rank costs
-the machine. Both are shown; the target is judged on RSS, as the issue states it. A row
+the machine. Both are shown; the target is stated in RSS and judged on it. A row
 that only imports torch and torchvision shows the floor under any PyTorch process.
 
 How the pattern's workers start decides what they share. Forked (Linux's default up to

@@ -7,7 +7,7 @@ One process, the machine's default threads, batch 64. Both figures leave out the
 step, which pays one-off costs: the pattern's waits for its 8 workers to start, train.py's
 for the kernels' first use (train.py's time for STEPS + 1 steps less its time for 1). On a
 GPU, but for --quick, train.py's second epoch is timed instead, and the pattern runs an
-epoch. Issue 5 sets no target here: the ratio is for comparison.
+epoch. No target is set here: the ratio is for comparison.
 """
 import argparse
 
@@ -66,7 +66,7 @@ def main():
               ", ".join(f"{a} {train_py[a, 'bf16'] / train_py[a, 'none']:.2f}x" for a in steps))
     print("ratio train.py / pattern (fp32): " +
           ", ".join(f"{a} {train_py[a, 'none'] / pattern[a]:.2f}x" for a in steps) +
-          " (issue 5 sets no target for whole steps)")
+          " (no target is set for whole steps)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """train.py and check_env.py on CUDA with nccl, one rank per GPU. Skipped where torch sees
 no GPU, as in CI: the rest of the suite covers the same code on the CPU with gloo. On a GPU
 machine, run them with REQUIRE_GPU_TESTS=1: a driver too old for this torch, or a wrong
-CUDA_VISIBLE_DEVICES, hides the GPUs from torch, and the skip then fails instead."""
+CUDA_VISIBLE_DEVICES, hides the GPUs from torch, and the skip then fails instead. On one
+GPU, every nccl run has one rank (nccl takes no two ranks on one GPU), so no collective
+there crosses processes: that takes 2 GPUs."""
 import json
 import math
 import re
