@@ -50,7 +50,7 @@
 # GLOO_SOCKET_IFNAME, unless set there or sent, is the interface of the
 # host's address (none where that is lo: gloo then goes by the host's name).
 #
-# Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
+# Every ssh call runs $SSH_COMMAND (unset or blank: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
 #
 # If a host fails, the others are stopped and launch.sh exits 1. Ctrl-C,

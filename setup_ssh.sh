@@ -23,7 +23,7 @@
 #    if it does not on any. A host that does not answer within 30 s (a login
 #    that hangs) fails.
 #
-# Every ssh call runs $SSH_COMMAND (default: ssh), split on spaces, e.g.
+# Every ssh call runs $SSH_COMMAND (unset or blank: ssh), split on spaces, e.g.
 # SSH_COMMAND='ssh -F ./cluster_ssh_config'.
 #
 # Options:
