@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from conftest import HIDDEN_GPUS, REPO, run
+from conftest import HIDDEN_GPUS, REPO, run, skip_or_fail
 
 sys.path.insert(0, str(REPO))
 import check_env  # noqa: E402
@@ -160,9 +160,10 @@ def test_output_into_a_closed_pipe_stops_without_a_traceback(buffered):
     assert (proc.returncode, err) == (1, "")
 
 
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) drops capabilities")
 def test_locked_memory_is_unlimited_with_cap_ipc_lock():
     """RDMA may pin past ulimit -l where the process has CAP_IPC_LOCK, as root has."""
+    if shutil.which("setpriv") is None:
+        skip_or_fail("setpriv (util-linux) drops capabilities")
     def limit(*prefix):
         return subprocess.run(
             [*prefix, sys.executable, "-c", "import check_env; print(check_env.locked_memory_limit())"],
@@ -849,6 +850,7 @@ def test_a_stopped_node_kills_what_ignores_sigterm_after_5_s(stop):
     proc = subprocess.Popen(
         node("sh", "-c", "trap '' TERM; sleep 60 & echo $!; wait"), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
+    sleep_pid = None
     try:
         sleep_pid = int(proc.stdout.readline())
         start = time.monotonic()
@@ -862,6 +864,9 @@ def test_a_stopped_node_kills_what_ignores_sigterm_after_5_s(stop):
     finally:
         proc.kill()
         proc.wait()
+        if sleep_pid is not None:  # and the shell's group, which the node left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(sleep_pid), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

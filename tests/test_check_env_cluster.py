@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from cluster import cluster_fixture, keys_no_host_knows, require_prerequisites, simulated_cluster
+from conftest import skip_or_fail
 from test_check_env import ALLREDUCE_SIZES, REPO, allreduce_rows, run_check_env
 
 cluster = cluster_fixture(n_hosts=3)
@@ -77,7 +78,9 @@ def test_variables_reach_hosts_whose_login_shell_is_fish_or_tcsh(tmp_path):
         result = run_check_env(["--hosts", str(odd.write_hostfile(tmp_path / "hosts.txt")), "--json"], timeout=120,
                                env=odd.env(NCCL_ODD=value))
     assert result.returncode == 0, result.stdout + result.stderr
-    for name, report in json.loads(result.stdout)["hosts"].items():
+    reports = json.loads(result.stdout)["hosts"]
+    assert len(reports) == 2, reports
+    for name, report in reports.items():
         assert report["env"]["NCCL_ODD"] == value, name
 
 
@@ -101,9 +104,9 @@ def shell_path(cluster, hosts):
 
 def test_host_whose_shell_finds_another_python_is_a_problem(cluster, tmp_path):
     if not Path(SYSTEM_PYTHON).exists():
-        pytest.skip(f"{SYSTEM_PYTHON} not installed")
+        skip_or_fail(f"{SYSTEM_PYTHON} not installed")
     if subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True, timeout=60).returncode == 0:
-        pytest.skip(f"{SYSTEM_PYTHON} has torch, so it cannot play the host without torch")
+        skip_or_fail(f"{SYSTEM_PYTHON} has torch, so it cannot play the host without torch")
     hostfile = cluster.write_hostfile(tmp_path / "hosts.txt")
     with shell_path(cluster, ["node1", "node3"]) as python3:
         # Hosts as columns, however wide the paths make them.

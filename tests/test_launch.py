@@ -607,8 +607,7 @@ def test_a_blank_SSH_COMMAND_is_ssh(tmp_path, script):
     Path(ssh_command).rename(tmp_path / "ssh")
     env = launch_env(SSH_COMMAND=" ")
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    result = subprocess.run([REPO / script, *args[script]], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=30, start_new_session=True)
+    result = run([REPO / script, *args[script]], timeout=30, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 1, result.stdout + result.stderr
     assert " host " in ssh_called.read_text()
 
@@ -719,7 +718,7 @@ def test_unreachable_host_fails_preflight_within_connect_timeout(cluster, tmp_pa
         start, ["--log-dir", tmp_path / "logs", hostfile, "1", *TRAIN], launch_env(cluster), timeout=30
     )
     assert launch.proc.returncode == 1
-    assert time.monotonic() - began < 5 + 5  # ssh's ConnectTimeout, plus slack
+    assert time.monotonic() - began < 15  # ssh's ConnectTimeout of 5 s, not preflight's 30 s
     assert "preflight failed, nothing was started" in launch.err
     failed = launch.err.splitlines()[1:]
     assert len(failed) == 1 and cluster.unreachable_address in failed[0], launch.err
@@ -1013,7 +1012,7 @@ def test_a_process_left_holding_the_output_keeps_no_host_waiting(tmp_path, start
         launch = run_launch(start, ["--log-dir", tmp_path / "logs", "--torchrun", torchrun, hostfile, "1",
                                     *TRAIN], launch_env(), timeout=30)
         assert launch.proc.returncode == 1, launch.err
-        assert time.monotonic() - began < 10
+        assert time.monotonic() - began < 20  # not the orphan's 60 s
         assert "localhost: worker failed" in launch.out, launch.out
     finally:
         with contextlib.suppress(OSError, ValueError):
@@ -1092,11 +1091,18 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
                                       launch_env(cluster, **faked_wall_clock(here)))
         here.write_text("-120\n")
         there.write_text("+120\n")
+        # A bash started as run_node's is, there, must see the step, or this tests nothing.
+        host_bash = [*cluster.ssh_command.split(), "node1", "bash -c 'echo $EPOCHSECONDS'"]
+        host_ahead = 0
         # launch.sh's SILENCE_SECONDS, libfaketime's delay in bash, and a heartbeat
         deadline = time.monotonic() + 30 + 10 + 8
         while time.monotonic() < deadline:
             assert launch.proc.poll() is None, launch.out + launch.err
+            if host_ahead < 100:
+                shown = subprocess.run(host_bash, capture_output=True, text=True, timeout=10).stdout
+                host_ahead = int(shown or 0) - time.time()
             time.sleep(0.5)
+        assert host_ahead > 100, "node1's bash never saw its clock step forward"
     finally:
         bashrc.unlink()
     os.kill(launch.pid, signal.SIGTERM)
@@ -1107,9 +1113,10 @@ def test_wall_clock_steps_stop_no_job(cluster, tmp_path, start):
 def test_a_stop_shorter_than_the_silence_stops_no_job(tmp_path, start):
     """launch.sh stopped (Ctrl-Z) for 27 s, under the hosts' 30 s of silence: once resumed,
     it writes to them at once, not at its next heartbeat."""
+    began = time.monotonic()  # the host's silence begins after this: 27 s of it at most
     launch = start_a_sleeping_job(tmp_path, start)
     os.kill(launch.pid, signal.SIGSTOP)
-    time.sleep(27)
+    time.sleep(max(0.0, began + 27 - time.monotonic()))
     os.kill(launch.pid, signal.SIGCONT)
     time.sleep(6)  # past 30 s of silence, and a heartbeat of 5 s more
     assert launch.proc.poll() is None, launch.out + launch.err
@@ -1133,7 +1140,7 @@ def test_losing_a_host_stops_the_job_everywhere(cluster, tmp_path, start, train,
     try:
         if cut == "reset":
             for pid, argv in cluster.processes("node2"):
-                if argv[0].startswith("sshd"):
+                if argv and argv[0].startswith("sshd"):
                     os.kill(pid, signal.SIGKILL)
         else:
             subprocess.run(["ip", "link", "set", link, "down"], check=True)
@@ -1200,7 +1207,7 @@ def test_ctrl_c_to_the_whole_group_stops_hosts_reached_through_a_control_master(
             assert re.search(rf"^  {host} +143 .*stopped by launch.sh", launch.err, re.M), launch.err
         deadline = time.monotonic() + 10  # (a host stops in 6 s at most)
         while left := [argv for host in cluster.hosts for _, argv in cluster.processes(host)
-                       if not argv[0].startswith("sshd: ")]:  # the masters' sessions stay
+                       if argv and not argv[0].startswith("sshd: ")]:  # the masters' sessions stay (a zombie: no argv)
             assert time.monotonic() < deadline, f"left running: {left}"
             time.sleep(0.2)
 
@@ -1398,7 +1405,7 @@ def test_preflight_rejects_this_machine_listed_twice(tmp_path, start):
     (another network's, say): two nodes would share its GPUs."""
     addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()
     if not addresses:
-        pytest.skip("this machine has no address but loopback")
+        skip_or_fail("this machine has no address but loopback")
     launch = dry_run_on_made_up_hosts(start, tmp_path, ["localhost", "self"], "1")
     assert launch.proc.returncode == 1, launch.out + launch.err
     assert launch.err.splitlines()[1:] == [
@@ -1570,6 +1577,7 @@ def test_a_host_that_never_ends_its_stop_is_left_with_a_word(tmp_path, start, se
     launch = start_a_sleeping_job(tmp_path, start, host="hung",
                                   env=launch_env(SSH_COMMAND=ssh_here(tmp_path)))
     os.killpg(launch.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    stopping = time.monotonic()
     launch.wait_for_output("stopping the job on every host", timeout=10, stream="err")
     deadline = time.monotonic() + 10
     while job_processes(launch) and time.monotonic() < deadline:  # the host's part stops ...
@@ -1578,10 +1586,11 @@ def test_a_host_that_never_ends_its_stop_is_left_with_a_word(tmp_path, start, se
     assert launch.proc.poll() is None  # ... but its "ssh" never ends
     if second_ctrl_c:
         os.killpg(launch.pid, signal.SIGINT)
-    began = time.monotonic()
-    assert launch.wait(40) == 130, launch.err
-    waited = time.monotonic() - began
-    assert waited < 2 if second_ctrl_c else 20 < waited < 31, waited
+    second = time.monotonic()
+    assert launch.wait(45) == 130, launch.err
+    # launch.sh counts its 30 s in polls, each of which a loaded machine may lengthen
+    waited = time.monotonic() - (second if second_ctrl_c else stopping)
+    assert waited < 2 if second_ctrl_c else 29 < waited < 45, waited
     leaving = "at a second signal" if second_ctrl_c else "after 30 s of stopping"
     assert re.search(r"^  hung +- +\d+  \(left stopping\)$", launch.err, re.M), launch.err
     assert launch.err.endswith(

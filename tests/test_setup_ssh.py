@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cluster_fixture, keys_no_host_knows, require_prerequisites, simulated_cluster
-from conftest import linux_only, skip_or_fail
+from conftest import linux_only, run, skip_or_fail
 
 pytestmark = linux_only("setup_ssh.sh needs bash 4.4 or newer, and macOS's is 3.2")
 
@@ -27,10 +27,7 @@ cluster = cluster_fixture(n_hosts=2, password=PASSWORD, authorize=False, known_h
 
 def setup_ssh(cluster, *args, **env):
     """Run setup_ssh.sh with no terminal (so it can never prompt)."""
-    return subprocess.run(
-        [SETUP, *map(str, args)], env=cluster.env(**env), stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=60, start_new_session=True,
-    )
+    return run([SETUP, *args], timeout=60, env=cluster.env(**env), stdin=subprocess.DEVNULL)
 
 
 def batch_login(cluster, host, key):
