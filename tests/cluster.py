@@ -110,9 +110,9 @@ def keys_no_host_knows(directory, count=6):
     return keys
 
 
-def _sh(*args, **kwargs):
+def _sh(*args, timeout=60, **kwargs):
     return subprocess.run(
-        [str(a) for a in args], check=True, capture_output=True, text=True, **kwargs
+        [str(a) for a in args], check=True, capture_output=True, text=True, timeout=timeout, **kwargs
     )
 
 

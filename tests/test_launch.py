@@ -293,7 +293,11 @@ def programs_started(pids, trace):
         yield
     finally:
         tracer.terminate()  # strace detaches and leaves the processes running
-        tracer.wait(10)
+        try:
+            tracer.wait(10)
+        except subprocess.TimeoutExpired:
+            tracer.kill()
+            tracer.wait()
 
 
 def test_env_forwarded_args_quoted_and_no_values_in_ps(cluster, tmp_path, start):

@@ -284,8 +284,11 @@ def test_ctrl_c_in_a_terminal_stops_a_login_that_hangs(cluster, tmp_path):
     (home / ".bashrc").write_text("touch ~/login_started; sleep 120\n")
     pid, terminal = pty.fork()
     if pid == 0:  # in a session of its own, with the terminal as its controlling one
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell's foreground job has it
-        os.execve(SETUP, [SETUP, "--key", tmp_path / "id_ed25519", hostfile], cluster.env())
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell's foreground job has it
+            os.execve(SETUP, [SETUP, "--key", tmp_path / "id_ed25519", hostfile], cluster.env())
+        finally:
+            os._exit(127)  # never a second pytest, should execve fail
     try:
         deadline = time.monotonic() + 20
         while not (home / "login_started").exists():
