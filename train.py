@@ -868,9 +868,9 @@ def autocast(args, device):
 def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args, device,
                     after_step):
     """One optimizer step per `accum_steps` micro-batches of `order`, this rank's sample
-    indices for what is left of the epoch. after_step(n, loss) runs after the n-th step and
-    returns the seconds it took, which the timing leaves out. Returns (mean loss of all ranks,
-    samples of all ranks, seconds)."""
+    indices for what is left of the epoch. after_step(n, loss_sum, samples) runs after the
+    n-th step and returns the seconds it took, which the timing leaves out. Returns (mean loss
+    of all ranks, samples of all ranks, seconds)."""
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     samples, paused = 0, 0.0
     start = time.perf_counter()
@@ -892,7 +892,7 @@ def train_one_epoch(ddp_model, optimizer, scaler, train_x, train_y, order, args,
         scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (which waits)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        paused += after_step(n, loss_sum / samples)
+        paused += after_step(n, loss_sum, samples)
     totals = all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # CUDA runs ahead of Python: stop the clock when it is done
@@ -1151,7 +1151,7 @@ def train(args, rank, local_rank, world_size, device):
         order = order[done_in_epoch * per_step:stop_in_epoch * per_step].to(device)
         end_step = epoch * steps_per_epoch + stop_in_epoch
 
-        def after_step(n, loss, first=step):
+        def after_step(n, loss_sum, samples, first=step):
             now = first + n  # optimizer steps done in total
             save_now = args.save_every and now % args.save_every == 0 and now < end_step
             log_now = args.log_every and now % args.log_every == 0 and rank == 0
@@ -1164,7 +1164,8 @@ def train(args, rank, local_rank, world_size, device):
                 save(now)  # the epoch's end saves after evaluating
             if log_now:
                 log(f"epoch {epoch + 1}/{args.epochs} step {now}/{total_steps} "
-                    f"loss(rank 0, epoch so far) {loss.item():.4f} eta {eta(now)}")
+                    f"loss(rank 0, epoch so far) {(loss_sum / samples).item():.4f} "
+                    f"eta {eta(now)}")
             return time.perf_counter() - start
 
         train_loss, samples, seconds = train_one_epoch(

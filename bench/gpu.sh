@@ -46,7 +46,7 @@ main() {
   export PYTHONUNBUFFERED=1 REQUIRE_GPU_TESTS=1
   failed_status=0
   {
-    timeout 10 nvidia-smi -L || true
+    timeout 10 nvidia-smi --query-gpu=name,driver_version,compute_mode,persistence_mode --format=csv || true
     timeout 20 python3 -c 'import sys, torch; print(sys.version, torch.__version__, torch.cuda.get_device_name())'
     # The name torchrun goes by (--standalone, without --local-addr).
     timeout 10 python3 -c 'import socket; n = socket.getfqdn(); print(n, socket.getaddrinfo(n, None)[0][4])'

@@ -17,6 +17,14 @@ from common import (MNIST_TRAIN_SAMPLES, PATTERN_BATCH_SIZE, QUICK_TRAIN_SAMPLES
 
 STEPS = {"cnn": 300, "resnet18": 40}  # sized for the whole run to take under 2 minutes on 2 cores
 QUICK_STEPS = {"cnn": 10, "resnet18": 3}
+EPOCHS_TIMEOUT = 90  # s, for a GPU run of 2 epochs (estimated at 15 to 25 s; not yet measured)
+
+
+def keep(rows, row):
+    """Add row to the table, and print it at once: a run stopped at its time limit (gpu.sh's)
+    still shows what it measured."""
+    rows.append(row)
+    print("measured:", "  ".join(row), flush=True)
 
 
 def after_the_first_step(root, flags, steps):
@@ -40,7 +48,8 @@ def main():
     device = bench_device()
     whole_epochs = device.type == "cuda" and not args.quick
     if whole_epochs:
-        steps = dict.fromkeys(STEPS, train_samples // PATTERN_BATCH_SIZE - 1)  # after the first
+        batches = -(-train_samples // PATTERN_BATCH_SIZE)  # the last one short
+        steps = dict.fromkeys(STEPS, batches - 1)  # after the first
     amps = ["none", "bf16"] if device.type == "cuda" else ["none"]
     print_machine()
     rows, train_py, pattern = [], {}, {}
@@ -49,20 +58,21 @@ def main():
             for amp in amps:
                 flags = ["--arch", arch, "--amp", amp]
                 if whole_epochs:  # the last --epochs wins; the last row is epoch 2's
-                    train_py[arch, amp] = train_samples_per_sec(root, [*flags, "--epochs", "2"])
+                    train_py[arch, amp] = train_samples_per_sec(root, [*flags, "--epochs", "2"],
+                                                                timeout=EPOCHS_TIMEOUT)
                     timed = "epoch 2"
                 else:
                     train_py[arch, amp] = after_the_first_step(root, flags, steps[arch])
                     timed = f"{steps[arch]} steps after the first"
-                rows.append((f"train.py --arch {arch} --amp {amp}", timed,
-                             f"{train_py[arch, amp]:,.0f}"))
+                keep(rows, (f"train.py --arch {arch} --amp {amp}", timed,
+                            f"{train_py[arch, amp]:,.0f}"))
             pattern[arch] = pattern_samples_per_sec(root, arch, steps[arch], device)
-            rows.append((f"pattern {arch}, fp32", f"{steps[arch]} steps after the first",
-                         f"{pattern[arch]:,.0f}"))
+            keep(rows, (f"pattern {arch}, fp32", f"{steps[arch]} steps after the first",
+                        f"{pattern[arch]:,.0f}"))
     print(f"device {device}; batch 64; one process")
     print_table(["step", "timed", "samples/s"], rows)
     if device.type == "cuda":
-        print("bf16 / fp32 (train.py): " +
+        print("samples/s of bf16 / fp32 (train.py; above 1, bf16 is faster): " +
               ", ".join(f"{a} {train_py[a, 'bf16'] / train_py[a, 'none']:.2f}x" for a in steps))
     print("ratio train.py / pattern (fp32): " +
           ", ".join(f"{a} {train_py[a, 'none'] / pattern[a]:.2f}x" for a in steps) +
