@@ -23,6 +23,7 @@ def cuda_gpu():
 SYNTHETIC_CNN = ["--dataset", "synthetic", "--arch", "cnn"]
 
 
+@pytest.mark.timeout(660)  # its runs' own timeouts add up past pytest.ini's 300 s
 def test_nccl_bf16_run_saves_and_resumes(tmp_path):
     gpus = torch.cuda.device_count()
     args = ["--dataset", "synthetic", "--arch", "resnet18", "--amp", "bf16",
@@ -56,6 +57,7 @@ def test_checkpoint_moves_from_gpu_to_cpu_and_back(tmp_path):
     assert load(tmp_path / "last.pt")["step"] == 30
 
 
+@pytest.mark.timeout(660)  # its runs' own timeouts add up past pytest.ini's 300 s
 def test_compiled_ddp_model_with_accumulation_learns(tmp_path):
     result = torchrun(1, *SYNTHETIC_CNN, "--compile", "--accum-steps", "2", "--max-steps", "60",
                       "--metrics", tmp_path / "m.jsonl", gpus=True, timeout=600)
