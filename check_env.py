@@ -681,7 +681,9 @@ def differences(label, report, references, uses_gpus):
 
 def clock_problems(usable):
     """Each host whose clock is CLOCK_SKEW_S from the reference's or more for certain, or,
-    where none is, the one most ahead, if it is that far from the one most behind. Each
+    where none is, the one most ahead, if it is that far from the one most behind. The
+    reference is the host whose clock agrees with the most others' (the first, where they
+    tie), so that one odd clock, the first host's included, is named alone. Each
     (label, report) of usable holds the range of its clock's offset from this machine's."""
     offsets = {label: report["clock_offset"] for label, report in usable}
     labels = list(offsets)
@@ -695,7 +697,8 @@ def clock_problems(usable):
                 f"{b}'s, and torchrun's rendezvous, which compares the hosts' clocks, drops a host at 15 s off "
                 "or less: sync them (NTP: chrony, systemd-timesyncd)")
 
-    found = [problem(label, labels[0]) for label in labels[1:] if apart(label, labels[0])]
+    reference = max(labels, key=lambda a: sum(not apart(a, b) for b in labels), default=None)
+    found = [problem(label, reference) for label in labels if apart(label, reference)]
     if labels and not found:
         ahead = max(labels, key=lambda label: offsets[label][0])
         behind = min(labels, key=lambda label: offsets[label][1])
@@ -909,14 +912,30 @@ def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
     if STOPPING.is_set():  # the signal came as it started, and stop_at_signal missed it
         kill_group(proc, signal.SIGKILL)
     try:
-        stdout, stderr = proc.communicate(stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc, signal.SIGKILL)
-        proc.communicate()
-        return None, "", f"no answer within {timeout} s"
+        stdout, stderr = communicate_until_stopped(proc, stdin, timeout)
     finally:
         RUNNING.discard(proc)
+    if stdout is None:
+        return None, "", "stopped" if STOPPING.is_set() else f"no answer within {timeout} s"
     return proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+
+def communicate_until_stopped(proc, stdin, timeout):
+    """proc.communicate(stdin), or (None, None) if it takes over `timeout` seconds or
+    STOPPING is set first. Then proc's group is killed and its output left unread: an ssh
+    that shares a ControlMaster's connection hands its pipes to the master, which holds
+    them open until the remote command ends, never on a hung mount."""
+    deadline = time.monotonic() + timeout
+    while not STOPPING.is_set() and time.monotonic() < deadline:
+        try:
+            return proc.communicate(stdin, timeout=min(1, max(0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:  # a retry loses no output
+            stdin = None  # and sends the rest of the input, which it holds
+    kill_group(proc, signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    return None, None
 
 
 def stop_at_signal(signum, frame):

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -505,6 +506,13 @@ def three_hosts(b=None, c=None):
             ["b: its clock is about 40 s behind a's, and torchrun's rendezvous, which compares the hosts' "
              "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
         ),
+        # The first host's clock is the odd one: it is named, not the two that agree.
+        (
+            [host_report("a", "10.0.0.1/24", clock_offset=[-41.0, -39.0]), *three_hosts()[1:]],
+            None,
+            ["a: its clock is about 40 s behind b's, and torchrun's rendezvous, which compares the hosts' "
+             "clocks, drops a host at 15 s off or less: sync them (NTP: chrony, systemd-timesyncd)"],
+        ),
         (
             three_hosts(c=host_report("c", "10.0.0.3/24", clock_offset=[4.2, 5.2])),
             None,
@@ -547,6 +555,7 @@ def three_hosts(b=None, c=None):
         "build-label",
         "old-torch-gpus",
         "clock-behind",
+        "clock-first-host",
         "clock-ahead",
         "clocks-apart",
     ],
@@ -891,6 +900,31 @@ def test_a_signal_while_hosts_report_ends_their_commands_at_once(tmp_path, stop_
     finally:
         proc.kill()
         proc.wait()
+        if pid_file.exists() and is_running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("end", ["timeout", "signal"])
+def test_a_host_given_up_on_is_not_waited_for_where_a_control_master_holds_its_output(
+    tmp_path, monkeypatch, end
+):
+    """An ssh that shares a ControlMaster's connection hands its output to the master, which
+    holds it open until the remote command ends (never, on a hung mount). Here a process out
+    of reach of the kill, in a session of its own, holds it."""
+    holder = tmp_path / "report"
+    holder.write_text(f"#!/bin/sh\nsetsid sleep 60 & echo $! > {tmp_path}/pid\nsleep 60\n")
+    holder.chmod(0o755)
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    monkeypatch.setattr(check_env, "STOPPING", threading.Event())
+    if end == "signal":  # as stop_at_signal does, after the pool's threads have started
+        threading.Timer(2, check_env.STOPPING.set).start()
+    start = time.monotonic()
+    try:
+        status = check_env.run_on_host(local, [str(holder)], sys.executable, timeout=3 if end == "timeout" else 30)
+        assert status == (None, "", "no answer within 3 s" if end == "timeout" else "stopped")
+        assert time.monotonic() - start < 10
+    finally:
+        pid_file = tmp_path / "pid"
         if pid_file.exists() and is_running(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
