@@ -315,14 +315,25 @@ clock_problem() {
     "systemd-timesyncd)"
 }
 
-# Adds to reports each host whose clock is apart from the first host's or,
+# Adds to reports each host whose clock is apart from the reference's or,
 # where none is, the one most ahead, if it is apart from the one most behind.
+# The reference is the clock that agrees with the most others' (the first
+# host's, where they tie), so that one odd clock, the first host's too, is
+# named alone.
 add_clock_problems() {
-  local i ahead=0 behind=0 found=''
-  [[ -n ${clock_low[0]:-} ]] || return 0
+  local i j agreeing most=0 reference='' ahead behind found=''
   for i in "${!clock_low[@]}"; do
-    if ((i > 0)) && clocks_apart "$i" 0; then
-      reports[i]=${reports[i]:-$(clock_problem "$i" 0)}
+    agreeing=0
+    for j in "${!clock_low[@]}"; do
+      if ! clocks_apart "$i" "$j"; then agreeing=$((agreeing + 1)); fi
+    done
+    if ((agreeing > most)); then most=$agreeing reference=$i; fi
+  done
+  [[ -n $reference ]] || return 0
+  ahead=$reference behind=$reference
+  for i in "${!clock_low[@]}"; do
+    if clocks_apart "$i" "$reference"; then
+      reports[i]=${reports[i]:-$(clock_problem "$i" "$reference")}
       found=yes
     fi
     if ((clock_low[i] > clock_low[ahead])); then ahead=$i; fi

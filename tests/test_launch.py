@@ -1432,9 +1432,11 @@ def test_preflight_rejects_this_machine_where_the_hosts_see_it_at_another_addres
 @pytest.mark.parametrize("hosts, problem", [
     (["fine", "behind40"], r"  behind40 +its clock is about (3[5-9]|4[0-5]) s behind fine's"),
     (["fine", "ahead40"], r"  ahead40 +its clock is about (3[5-9]|4[0-5]) s ahead of fine's"),
+    # The first host's clock is the odd one: it is named, not the two that agree.
+    (["behind40", "fine", "sound"], r"  behind40 +its clock is about (3[5-9]|4[0-5]) s behind fine's"),
     # 4 s from the first host's is never 4 s for certain, in whole seconds; 8 s apart is:
     (["fine", "ahead4", "behind4"], r"  ahead4 +its clock is about ([6-9]|10) s ahead of behind4's"),
-], ids=["behind", "ahead", "apart"])
+], ids=["behind", "ahead", "first-host", "apart"])
 def test_preflight_rejects_hosts_whose_clocks_disagree(tmp_path, start, hosts, problem):
     """torchrun's rendezvous compares the hosts' clocks, and drops a host 15 s off."""
     hostfile = tmp_path / "hosts.txt"
