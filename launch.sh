@@ -376,7 +376,11 @@ preflight() {
   run_checks
   for i in "${!labels[@]}"; do
     report=$(grep '^ok ' "$tmp/preflight.$i" | tail -n 1) || true
-    if [[ -n ${timed_out[i]:-} ]]; then
+    if [[ -n ${timed_out[i]:-} && -n $report ]]; then
+      reports[i]="its check passed, but its SSH session did not end within $PREFLIGHT_SECONDS s: a"
+      reports[i]+=" program that a login script starts in the background holds the session's"
+      reports[i]+=" output (start it with >/dev/null 2>&1)"
+    elif [[ -n ${timed_out[i]:-} ]]; then
       reports[i]="no answer within $PREFLIGHT_SECONDS s"
     elif [[ -z $report ]]; then
       report=$(reason_line "$(<"$tmp/preflight.$i")")

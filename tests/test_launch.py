@@ -182,7 +182,9 @@ def ssh_here(tmp_path):
     """An SSH_COMMAND that runs the remote command on this machine, through sh, with the
     SSH_CONNECTION each made-up host would have: two containers share one address, a
     tunnel ends at 127.0.0.1, "self" is this machine, one sshd sets none, "mute" fails
-    without a word (as ssh -q does), "stuck" never answers, "hung" never ends once its part of a job has (as where a hung mount holds the
+    without a word (as ssh -q does), "stuck" never answers, "lingers" keeps its session open
+    once its command has ended (as where a login script's background program holds its
+    output), "hung" never ends once its part of a job has (as where a hung mount holds the
     clean-up; its preflight ends), the clocks of "ahead4" and "behind40" (say) are off by
     that many seconds (in the time that the check reports: libfaketime fakes bash's clock
     only now and then), and h1, h2, ... are at 10.9.1.1, 10.9.1.2, ... and
@@ -203,7 +205,7 @@ def ssh_here(tmp_path):
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
         'payload=${*: -1}; payload=${payload#*echo }\n'  # (see remote_bash_command)
-        'if [[ $host == hung && $(base64 -d <<<"${payload%% *}") == *run_node* ]]; then\n'
+        'if [[ $host == lingers || $host == hung && $(base64 -d <<<"${payload%% *}") == *run_node* ]]; then\n'
         '  sh -c "${*: -1}"; exec sleep 600\n'
         'fi\n'
         'if [[ $host =~ ^(ahead|behind)([0-9]+)$ ]]; then\n'
@@ -1450,9 +1452,9 @@ def test_preflight_rejects_hosts_whose_clocks_disagree(tmp_path, start, hosts, p
 
 def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
     """The first host, whose check runs alone at first, never answers: the others are
-    checked after 5 s all the same."""
+    checked after 5 s all the same. Another answers, but its session stays open."""
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("stuck\nfine\n")
+    hostfile.write_text("stuck\nfine\nlingers\n")
     began = time.monotonic()
     launch = run_launch(
         start, ["--workdir", REPO, hostfile, "1", *TRAIN], launch_env(SSH_COMMAND=ssh_here(tmp_path)),
@@ -1460,8 +1462,12 @@ def test_preflight_gives_up_on_a_host_that_never_answers(tmp_path, start):
     )
     assert launch.proc.returncode == 1, launch.out + launch.err
     assert 30 <= time.monotonic() - began < 40
-    assert launch.err.splitlines()[1:] == ["  stuck  no answer within 30 s"], launch.err
-    assert not launch.processes()  # the stuck ssh is gone too
+    assert launch.err.splitlines()[1:] == [
+        "  stuck    no answer within 30 s",
+        "  lingers  its check passed, but its SSH session did not end within 30 s: a program that a login "
+        "script starts in the background holds the session's output (start it with >/dev/null 2>&1)",
+    ], launch.err
+    assert not launch.processes()  # the stuck ssh is gone too, and the lingering one
     assert not (tmp_path / "logs").exists()
 
 
