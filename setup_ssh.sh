@@ -152,8 +152,11 @@ within_limit() {
 # "${@:2}", and sets login_output to what ssh said. Returns ssh's status, or
 # 124 where the host did not answer in time.
 try_login() {
+  local status=0
   ssh_for "$@" -o BatchMode=yes
-  login_output=$(within_limit "${cmd[@]}" true 2>&1 </dev/null)
+  within_limit "${cmd[@]}" true </dev/null >"$ssh_output" 2>&1 || status=$?
+  login_output=$(<"$ssh_output")
+  return "$status"
 }
 
 # Adds the key on host number $1 with the key itself, or else, where the host
@@ -165,7 +168,8 @@ install_key() {
   # IdentitiesOnly: an agent's keys, offered first, would use up the host's
   # MaxAuthTries (6) before this one.
   ssh_for "$i" -i "$key" -o IdentitiesOnly=yes -o BatchMode=yes
-  error=$(within_limit "${cmd[@]}" "$install" <<<"$public_key" 2>&1 >/dev/null) || status=$?
+  within_limit "${cmd[@]}" "$install" <<<"$public_key" 2>"$ssh_output" >/dev/null || status=$?
+  error=$(<"$ssh_output")
   if ((status == 0)); then
     return 0
   elif ((status == 124)); then # the table says so
@@ -227,7 +231,7 @@ main() {
   # refused (bash would go on to the next host).
   trap 'exit 130' INT
   local key=~/.ssh/id_ed25519 labels=() destinations=() ports=() local_node=()
-  local ssh_command=() cmd=() public_key='' time_limit=()
+  local ssh_command=() cmd=() public_key='' time_limit=() ssh_output
   local i width=4 result status failed=0 needs_key=() login_output
   local login_status=() login_outputs=() # each host's latest try_login
   local installed=()                      # "installed" where install_key succeeded
@@ -249,6 +253,13 @@ main() {
   fi
   read_ssh_command
   choose_time_limit
+  # What ssh says goes through this file, not $(...): an ssh that shares a
+  # ControlMaster's connection hands its output to the master, which holds it
+  # open until the remote command ends (never, on a hung mount), and $(...)
+  # would wait as long, past the time limit.
+  ssh_output=$(mktemp)
+  # shellcheck disable=SC2064 # expanded now: main's locals are gone at exit
+  trap "rm -f -- ${ssh_output@Q}" EXIT
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then
     echo "setup_ssh.sh: warning: SSHPASS is set, but sshpass is not installed: a host that" \
       "refuses the key asks for its password, and without a terminal fails" >&2

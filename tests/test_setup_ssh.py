@@ -267,8 +267,27 @@ def test_a_host_whose_login_hangs_is_given_up_after_30_s(cluster, tmp_path):
         took = time.monotonic() - started
     finally:
         bashrc.unlink()
+    assert_given_up_after_30_s(result, took, cluster.hosts[0])
+
+
+def test_a_login_that_hangs_through_a_control_master_is_given_up_after_30_s(tmp_path):
+    """There ssh hands its output to the master, which holds it open until the login ends."""
+    require_prerequisites()
+    with (simulated_cluster(1) as fabric,
+          fabric.ssh_through_control_masters(tmp_path / "ssh_config", ["node1"]) as ssh):
+        opened = run([*ssh.split(), "node1", "true"], timeout=30)  # the master, before the login hangs
+        assert opened.returncode == 0, opened.stderr
+        (fabric.host("node1").dir / "home/.bashrc").write_text("sleep 120\n")
+        started = time.monotonic()
+        result = setup_ssh(fabric, "--key", tmp_path / "id_ed25519", fabric.write_hostfile(tmp_path / "hosts.txt"),
+                           SSH_COMMAND=ssh)
+        took = time.monotonic() - started
+    assert_given_up_after_30_s(result, took, "node1")
+
+
+def assert_given_up_after_30_s(result, took, host):
     assert result.returncode == 1
-    assert re.search(rf"^{cluster.hosts[0]} +FAILED: no answer within 30 s \(a login that hangs",
+    assert re.search(rf"^{host} +FAILED: no answer within 30 s \(a login that hangs",
                      result.stdout, re.M), result.stdout + result.stderr
     assert took < 45, took  # once, not again for the table
 
