@@ -49,6 +49,7 @@ import signal
 import socket
 import struct
 import subprocess
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -882,19 +883,20 @@ RUNNING = set()
 STOPPING = threading.Event()
 
 
-def start_on_host(host, argv, python, stderr):
-    """A Popen of argv on host, in a session of its own, whose stdin (a pipe) has been
-    given forwarded_input."""
+def start_on_host(host, argv, python, stderr, stdin=subprocess.PIPE):
+    """A Popen of argv on host, in a session of its own. Its stdin is a pipe that has been
+    given forwarded_input, or `stdin`, a file that begins with it."""
     proc = subprocess.Popen(
         host_command(host, argv, python),
-        stdin=subprocess.PIPE,
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=stderr,
         start_new_session=True,
     )
-    with contextlib.suppress(BrokenPipeError):  # an ssh gone at once: its status says why
-        proc.stdin.write(forwarded_input(host))
-        proc.stdin.flush()
+    if stdin == subprocess.PIPE:
+        with contextlib.suppress(BrokenPipeError):  # an ssh gone at once: its status says why
+            proc.stdin.write(forwarded_input(host))
+            proc.stdin.flush()
     return proc
 
 
@@ -902,17 +904,22 @@ def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
     """(exit status, stdout, error text); the status is None when it could not run at all."""
     if STOPPING.is_set():
         return None, "", "stopped"
-    try:
-        proc = start_on_host(host, argv, python, stderr=subprocess.PIPE)
-    except FileNotFoundError as exc:
-        return None, "", f"cannot run {exc.filename}: not found"
-    except OSError as exc:  # too many open files, say
-        return None, "", f"cannot start its command: {exc.strerror}"
+    # Its input comes from a file: communicate() can wait in slices (see
+    # communicate_until_stopped) only where it sends no input (CPython gh-141473).
+    with tempfile.TemporaryFile() as input_file:
+        input_file.write(forwarded_input(host) + stdin)
+        input_file.seek(0)
+        try:
+            proc = start_on_host(host, argv, python, stderr=subprocess.PIPE, stdin=input_file)
+        except FileNotFoundError as exc:
+            return None, "", f"cannot run {exc.filename}: not found"
+        except OSError as exc:  # too many open files, say
+            return None, "", f"cannot start its command: {exc.strerror}"
     RUNNING.add(proc)
     if STOPPING.is_set():  # the signal came as it started, and stop_at_signal missed it
         kill_group(proc, signal.SIGKILL)
     try:
-        stdout, stderr = communicate_until_stopped(proc, stdin, timeout)
+        stdout, stderr = communicate_until_stopped(proc, timeout)
     finally:
         RUNNING.discard(proc)
     if stdout is None:
@@ -920,17 +927,15 @@ def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
     return proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
 
 
-def communicate_until_stopped(proc, stdin, timeout):
-    """proc.communicate(stdin), or (None, None) if it takes over `timeout` seconds or
-    STOPPING is set first. Then proc's group is killed and its output left unread: an ssh
-    that shares a ControlMaster's connection hands its pipes to the master, which holds
-    them open until the remote command ends, never on a hung mount."""
+def communicate_until_stopped(proc, timeout):
+    """proc.communicate(), or (None, None) if that takes over `timeout` seconds or STOPPING
+    is set first. Then proc's group is killed, and its output is left unread: an ssh that
+    shares a ControlMaster's connection hands its pipes to the master, which holds them
+    open until the remote command ends (on a hung mount, never)."""
     deadline = time.monotonic() + timeout
     while not STOPPING.is_set() and time.monotonic() < deadline:
-        try:
-            return proc.communicate(stdin, timeout=min(1, max(0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:  # a retry loses no output
-            stdin = None  # and sends the rest of the input, which it holds
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a retry loses no output
+            return proc.communicate(timeout=min(1, max(0, deadline - time.monotonic())))
     kill_group(proc, signal.SIGKILL)
     proc.wait()
     proc.stdout.close()

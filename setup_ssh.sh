@@ -257,7 +257,7 @@ main() {
   # ControlMaster's connection hands its output to the master, which holds it
   # open until the remote command ends (never, on a hung mount), and $(...)
   # would wait as long, past the time limit.
-  ssh_output=$(mktemp)
+  ssh_output=$(mktemp) || die "cannot make a temporary file (in ${TMPDIR:-/tmp})"
   # shellcheck disable=SC2064 # expanded now: main's locals are gone at exit
   trap "rm -f -- ${ssh_output@Q}" EXIT
   if [[ -n ${SSHPASS:-} ]] && ! command -v sshpass >/dev/null; then

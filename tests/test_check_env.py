@@ -904,6 +904,15 @@ def test_a_signal_while_hosts_report_ends_their_commands_at_once(tmp_path, stop_
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+def test_a_command_that_reads_its_input_late_gets_all_of_it():
+    """More than a pipe holds (check_env.py itself, sent to each host), to a reader that
+    starts after the first of the 1 s waits (an ssh login through a bastion, say)."""
+    local = check_env.Host("localhost", None, "localhost", None, True)
+    status = check_env.run_on_host(local, ["sh", "-c", "sleep 2; wc -c"], sys.executable, stdin=b"x" * 100_000,
+                                   timeout=10)
+    assert status == (0, "100000\n", "")
+
+
 @pytest.mark.parametrize("end", ["timeout", "signal"])
 def test_a_host_given_up_on_is_not_waited_for_where_a_control_master_holds_its_output(
     tmp_path, monkeypatch, end
@@ -916,14 +925,16 @@ def test_a_host_given_up_on_is_not_waited_for_where_a_control_master_holds_its_o
     holder.chmod(0o755)
     local = check_env.Host("localhost", None, "localhost", None, True)
     monkeypatch.setattr(check_env, "STOPPING", threading.Event())
-    if end == "signal":  # as stop_at_signal does, after the pool's threads have started
-        threading.Timer(2, check_env.STOPPING.set).start()
+    stopper = threading.Timer(2, check_env.STOPPING.set)  # as stop_at_signal does
+    if end == "signal":
+        stopper.start()
     start = time.monotonic()
     try:
         status = check_env.run_on_host(local, [str(holder)], sys.executable, timeout=3 if end == "timeout" else 30)
         assert status == (None, "", "no answer within 3 s" if end == "timeout" else "stopped")
         assert time.monotonic() - start < 10
     finally:
+        stopper.cancel()
         pid_file = tmp_path / "pid"
         if pid_file.exists() and is_running(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -205,7 +205,7 @@ def ssh_here(tmp_path):
         '  *) export SSH_CONNECTION="10.9.0.1 40000 10.9.0.${#host} 22" ;;\n'
         'esac\n'
         'payload=${*: -1}; payload=${payload#*echo }\n'  # (see remote_bash_command)
-        'if [[ $host == lingers || $host == hung && $(base64 -d <<<"${payload%% *}") == *run_node* ]]; then\n'
+        'if [[ $host == lingers || ($host == hung && $(base64 -d <<<"${payload%% *}") == *run_node*) ]]; then\n'
         '  sh -c "${*: -1}"; exec sleep 600\n'
         'fi\n'
         'if [[ $host =~ ^(ahead|behind)([0-9]+)$ ]]; then\n'
