@@ -916,9 +916,7 @@ def run_on_host(host, argv, python, stdin=b"", timeout=REPORT_TIMEOUT_S):
         except OSError as exc:  # too many open files, say
             return None, "", f"cannot start its command: {exc.strerror}"
     RUNNING.add(proc)
-    if STOPPING.is_set():  # the signal came as it started, and stop_at_signal missed it
-        kill_group(proc, signal.SIGKILL)
-    try:
+    try:  # (a signal as it started, which stop_at_signal missed, ends it there)
         stdout, stderr = communicate_until_stopped(proc, timeout)
     finally:
         RUNNING.discard(proc)

@@ -348,6 +348,7 @@ def gpus_with(n, **second):
 
 
 LABELS = ["a", "b", "c"]
+LOCALHOST = check_env.Host("localhost", None, "localhost", None, True)  # this machine, no ssh
 BUSY = "CUDA-capable device(s) is/are busy or unavailable"  # (CUDA's words)
 
 
@@ -774,9 +775,8 @@ def test_ssh_command_honours_SSH_COMMAND_and_quotes_the_remote_command(monkeypat
     forwarding = subprocess.run(command, input=check_env.forwarded_input(host) + b"then the command's input",
                                 capture_output=True, timeout=30)
     assert forwarding.stdout == b"s3cret\nthen the command's input"
-    local = check_env.Host("localhost", None, "localhost", None, True)
-    assert check_env.host_command(local, ["python", "-"], "python") == ["python", "-"]
-    assert check_env.forwarded_input(local) == b""  # it inherits them
+    assert check_env.host_command(LOCALHOST, ["python", "-"], "python") == ["python", "-"]
+    assert check_env.forwarded_input(LOCALHOST) == b""  # it inherits them
 
 
 @pytest.mark.parametrize("value", ["", " "])
@@ -827,11 +827,10 @@ def node(*argv):
 
 
 def test_run_nodes_stops_the_others_when_one_fails(tmp_path):
-    local = check_env.Host("localhost", None, "localhost", None, True)
     pid_file = tmp_path / "sleep.pid"
     start = time.monotonic()
     outputs, failed, hung = check_env.run_nodes(
-        [local, local],
+        [LOCALHOST, LOCALHOST],
         [
             node("sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"),
             # Fails once the other node has started its sleep.
@@ -847,9 +846,8 @@ def test_run_nodes_stops_the_others_when_one_fails(tmp_path):
 
 def test_run_nodes_stops_everything_at_the_deadline(monkeypatch):
     monkeypatch.setattr(check_env, "ALLREDUCE_DEADLINE_S", 1)
-    local = check_env.Host("localhost", None, "localhost", None, True)
     start = time.monotonic()
-    outputs, failed, hung = check_env.run_nodes([local], [node("sleep", "60")], sys.executable)
+    outputs, failed, hung = check_env.run_nodes([LOCALHOST], [node("sleep", "60")], sys.executable)
     assert failed is None and hung
     assert time.monotonic() - start < 10
 
@@ -900,15 +898,13 @@ def test_a_signal_while_hosts_report_ends_their_commands_at_once(tmp_path, stop_
     finally:
         proc.kill()
         proc.wait()
-        if pid_file.exists() and is_running(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        kill_the_pid_in(pid_file)
 
 
 def test_a_command_that_reads_its_input_late_gets_all_of_it():
     """More than a pipe holds (check_env.py itself, sent to each host), to a reader that
     starts after the first of the 1 s waits (an ssh login through a bastion, say)."""
-    local = check_env.Host("localhost", None, "localhost", None, True)
-    status = check_env.run_on_host(local, ["sh", "-c", "sleep 2; wc -c"], sys.executable, stdin=b"x" * 100_000,
+    status = check_env.run_on_host(LOCALHOST, ["sh", "-c", "sleep 2; wc -c"], sys.executable, stdin=b"x" * 100_000,
                                    timeout=10)
     assert status == (0, "100000\n", "")
 
@@ -923,21 +919,19 @@ def test_a_host_given_up_on_is_not_waited_for_where_a_control_master_holds_its_o
     holder = tmp_path / "report"
     holder.write_text(f"#!/bin/sh\nsetsid sleep 60 & echo $! > {tmp_path}/pid\nsleep 60\n")
     holder.chmod(0o755)
-    local = check_env.Host("localhost", None, "localhost", None, True)
     monkeypatch.setattr(check_env, "STOPPING", threading.Event())
     stopper = threading.Timer(2, check_env.STOPPING.set)  # as stop_at_signal does
     if end == "signal":
         stopper.start()
     start = time.monotonic()
     try:
-        status = check_env.run_on_host(local, [str(holder)], sys.executable, timeout=3 if end == "timeout" else 30)
+        status = check_env.run_on_host(LOCALHOST, [str(holder)], sys.executable, timeout=3 if end == "timeout" else 30)
         assert status == (None, "", "no answer within 3 s" if end == "timeout" else "stopped")
         assert time.monotonic() - start < 10
     finally:
         stopper.cancel()
         pid_file = tmp_path / "pid"
-        if pid_file.exists() and is_running(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        kill_the_pid_in(pid_file)
 
 
 def test_a_worker_ends_when_torchrun_its_parent_is_gone():
@@ -959,6 +953,12 @@ def test_a_worker_ends_when_torchrun_its_parent_is_gone():
     finally:
         if is_running(child):
             os.kill(child, signal.SIGKILL)
+
+
+def kill_the_pid_in(pid_file):
+    """SIGKILL the process whose pid a test's command wrote to pid_file, if it is still running."""
+    if pid_file.exists() and is_running(int(pid_file.read_text())):
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def is_running(pid):
@@ -1003,9 +1003,8 @@ def test_allreduce_says_so_when_check_env_is_not_on_every_host(monkeypatch, tmp_
     # As if this copy of check_env.py lived where the hosts cannot see it.
     absent = tmp_path / "elsewhere" / "check_env.py"
     monkeypatch.setattr(check_env, "__file__", str(absent))
-    local = check_env.Host("localhost", None, "localhost", None, True)
     status, message = check_env.run_allreduce(
-        [local], [host_report("a", "10.0.0.1/24")], ["127.0.0.1"], sys.executable, 1
+        [LOCALHOST], [host_report("a", "10.0.0.1/24")], ["127.0.0.1"], sys.executable, 1
     )
     assert status == 1
     assert (
