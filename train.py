@@ -25,6 +25,7 @@ train_one_epoch and evaluate.
 """
 import argparse
 import contextlib
+import ctypes
 import datetime
 import functools
 import glob
@@ -36,6 +37,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import socket
 import struct
 import sys
@@ -189,6 +191,7 @@ def parse_args(argv=None):
 
 def setup_distributed(args):
     """Return (rank, local_rank, world_size, device); init the process group under torchrun."""
+    end_with_torchrun()
     # Fix: the pattern used LOCAL_RANK as the global rank, so each node's first process
     # logged and saved. RANK says who is global rank 0; LOCAL_RANK only picks the device.
     rank = int(os.environ.get("RANK", 0))
@@ -216,6 +219,17 @@ def setup_distributed(args):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 device_id=device if backend == "nccl" else None)
     return rank, local_rank, world_size, device
+
+
+def end_with_torchrun():
+    """Under torchrun, on Linux: when torchrun ends, the kernel sends this process SIGTERM, as
+    torchrun does when it stops a job. torchrun starts each worker in a session of its own, so
+    a kill -9 of torchrun reaches none of them: they would train on, unseen, writing
+    checkpoints beside the run started in its place. (A worker whose torchrun dies before
+    this call, while it imports torch, waits minutes for the rendezvous, then fails.)"""
+    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def gpu_of_this_process(local_rank):

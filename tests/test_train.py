@@ -16,6 +16,7 @@ import time
 import types
 import warnings
 
+import psutil
 import pytest
 import torch
 
@@ -366,6 +367,33 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, launcher):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@linux_only("prctl(PR_SET_PDEATHSIG)")
+def test_workers_end_with_a_killed_torchrun(tmp_path):
+    """torchrun starts its workers in sessions of their own: a kill -9 of torchrun reaches
+    none of them, and they trained on (seen with torch 2.14), writing checkpoints."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         TRAIN, "--arch", "cnn", "--dataset", "synthetic", "--log-every", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"})
+    workers = []
+    try:
+        while "step 1/" not in proc.stdout.readline():
+            assert proc.poll() is None, "torchrun ended before training"
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers left running: {alive}"
+    finally:
+        proc.kill()
+        proc.wait()
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
 
 
 def test_missing_mnist_stops_every_rank_with_one_message(tmp_path):
