@@ -71,11 +71,11 @@ def run_with_kills(train_args, checkpoint_dir, seconds, rng):
             return torchrun.returncode, err, kills, left
         except subprocess.TimeoutExpired:
             pass
-        how = rng.choice(KILLS)
         workers = psutil.Process(torchrun.pid).children()
+        how = rng.choice(KILLS if workers else [k for k in KILLS if k != "worker"])
         if how == "crash":
             kill([psutil.Process(torchrun.pid), *workers])
-        elif how == "worker" and workers:
+        elif how == "worker":
             kill([rng.choice(workers)])
         elif how == "sigterm":
             torchrun.terminate()
@@ -84,7 +84,7 @@ def run_with_kills(train_args, checkpoint_dir, seconds, rng):
         try:
             torchrun.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # a worker torchrun lost track of holds stderr
-            kill([psutil.Process(torchrun.pid)])
+            torchrun.kill()
         deadline = time.monotonic() + 5
         while processes_of(checkpoint_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
