@@ -117,10 +117,15 @@ def write_idx(path, tensor):
 
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
-    """A tiny MNIST in torchvision's layout: 512 training and 101 (odd) test images."""
+    """write_tiny_mnist's files, written once for the whole session."""
+    return write_tiny_mnist(tmp_path_factory.mktemp("data"))
+
+
+def write_tiny_mnist(root):
+    """A tiny MNIST in torchvision's layout under root: 512 training and 101 (odd) test
+    images. Returns root, for --data."""
     sys.path.insert(0, str(REPO))
     from train import synthetic_mnist
-    root = tmp_path_factory.mktemp("data")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
     train_x, train_y = synthetic_mnist(512, seed=1)

@@ -21,21 +21,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from conftest import HIDDEN_GPUS, REPO, TRAIN, load, write_idx
-
-sys.path.insert(0, str(REPO))
-from train import synthetic_mnist  # noqa: E402
+from conftest import HIDDEN_GPUS, TINY, TRAIN, load, write_tiny_mnist
 
 KILLS = ["crash", "worker", "sigterm", "kill -9 torchrun"]
-
-
-def write_mnist(root):
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for prefix, samples, seed in [("train", 512, 1), ("t10k", 101, 2)]:
-        images, labels = synthetic_mnist(samples, seed=seed)
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels.to(torch.uint8))
 
 
 def start(train_args, checkpoint_dir):
@@ -86,11 +74,11 @@ def run_with_kills(train_args, checkpoint_dir, seconds, rng):
         except subprocess.TimeoutExpired:  # a worker torchrun lost track of holds stderr
             torchrun.kill()
         deadline = time.monotonic() + 5
-        while processes_of(checkpoint_dir) and time.monotonic() < deadline:
+        while (behind := processes_of(checkpoint_dir)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if processes_of(checkpoint_dir):
+        if behind:
             left += 1
-            kill(processes_of(checkpoint_dir))
+            kill(behind)
         torchrun.wait()
         kills.append(f"{how} at {delay:.1f} s")
 
@@ -102,10 +90,9 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="of the kills' moments and kinds")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="soak_crash_resume."))
-    write_mnist(root / "data")
-    train_args = ["--arch", args.arch, "--dataset", "mnist", "--no-download", "--data",
-                  root / "data", "--batch-size", "16", "--accum-steps", "2", "--save-every", "1",
-                  "--epochs", "3" if args.arch == "cnn" else "1"]
+    data = write_tiny_mnist(root / "data")
+    train_args = [*TINY, "--arch", args.arch, "--data", data, "--accum-steps", "2",
+                  "--save-every", "1", "--epochs", "3" if args.arch == "cnn" else "1"]
     start_time = time.monotonic()
     never_stopped = start(train_args, root / "never_stopped")
     _, err = never_stopped.communicate(timeout=300)
