@@ -10,8 +10,8 @@ tutorial's pattern with its bugs fixed, each marked "Fix:" where it happens. Wit
 never stopped (on CPU, at the same world size).
 
 To train your own data and model, edit:
-    build_data       an entry in DATASETS: a function giving uint8 images (N, C, H, W) and
-                     int64 labels, and the images' per-channel mean and std
+    build_data       an entry in DATASETS: how to download it (run once per node) and read it
+                     (uint8 images (N, C, H, W), int64 labels), its per-channel mean and std
     build_model      an entry in MODELS: a function of (channels, classes)
     build_optimizer  the optimizer (a scheduler of yours goes into the checkpoint too)
     normalize        uint8 images to the model's input
@@ -78,8 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=positive_int, default=300, help="seconds to wait for a peer")
     p.add_argument("--checkpoint-dir", help="save DIR/last.pt, and resume from it if there")
     p.add_argument("--save-every", type=positive_int, help="also save every N optimizer steps")
-    p.add_argument("--log-every", type=positive_int,
-                   help=f"a progress line every N steps (default: every {PROGRESS_SECONDS} s)")
+    p.add_argument("--log-every", type=positive_int, help="a progress line every N steps")
     p.add_argument("--metrics", help="append one JSON line per epoch to this file")
     args = p.parse_args(argv)
     if args.save_every and not args.checkpoint_dir:
@@ -138,29 +137,17 @@ def read_idx(path):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 + 4 * ndim).view(shape)
 
 
+def download_mnist(args):
+    import torchvision
+    for train in (True, False):
+        torchvision.datasets.MNIST(args.data, train=train, download=True)
+
+
 def mnist(args):
     """MNIST's four files from --data/MNIST/raw (torchvision's layout)."""
-    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
-    raw, error = os.path.join(args.data, "MNIST", "raw"), None
-    # Fix: all ranks downloaded into the same files at once. Here rank 0, then each node's first.
-    for my_turn in (rank == 0, local_rank == 0 and rank != 0):
-        if my_turn and error is None and not args.no_download:
-            try:
-                import torchvision
-                for train in (True, False):
-                    torchvision.datasets.MNIST(args.data, train=train, download=True)
-            except Exception as e:  # offline, a mirror down, a full disk ...
-                error = f"download failed: {type(e).__name__}: {e}"
-        errors = all_gather(error)  # the others wait here, up to --timeout
-        error = errors[0] or errors[rank - local_rank]
-    if error is None:
-        try:
-            splits = [read_idx(os.path.join(raw, name)) for name in MNIST_FILES]
-        except (OSError, ValueError) as e:
-            error = str(e)
-    stop_if_any(error and f"MNIST unavailable on {os.uname().nodename} ({error}): put "
-                          f"{', '.join(MNIST_FILES)} in {raw}, or use --dataset synthetic")
-    return splits[0].unsqueeze(1), splits[1].long(), splits[2].unsqueeze(1), splits[3].long()
+    x, y, test_x, test_y = (read_idx(os.path.join(args.data, "MNIST", "raw", name))
+                            for name in MNIST_FILES)
+    return x.unsqueeze(1), y.long(), test_x.unsqueeze(1), test_y.long()
 
 
 def synthetic(args=None, sizes=(60_000, 10_000)):
@@ -175,18 +162,34 @@ def synthetic(args=None, sizes=(60_000, 10_000)):
     return data
 
 
-DATASETS = {
+DATASETS = {  # name: (download, or None; read; per-channel mean; std)
     # Fix: the pattern normalised MNIST with (0.5, 0.5), not with its own mean and std.
-    "mnist": (mnist, [0.1307], [0.3081]),
-    "synthetic": (synthetic, [0.3672], [0.2250]),
+    "mnist": (download_mnist, mnist, [0.1307], [0.3081]),
+    "synthetic": (None, synthetic, [0.3672], [0.2250]),
 }
 
 
 def build_data(args, device):
     """The data set on the device, and its per-channel mean and std as (C, 1, 1) tensors."""
-    load, mean, std = DATASETS[args.dataset]
+    download, read, mean, std = DATASETS[args.dataset]
+    rank, local_rank, error = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), None
+    # Fix: all ranks downloaded into the same files at once. Here rank 0, then each node's first.
+    for my_turn in (rank == 0, local_rank == 0 and rank != 0):
+        if my_turn and download and not args.no_download and error is None:
+            try:
+                download(args)
+            except Exception as e:  # offline, a mirror down, a full disk ...
+                error = f"download failed: {type(e).__name__}: {e}"
+        errors = all_gather(error)  # the others wait here, up to --timeout
+        error = errors[0] or errors[rank - local_rank]
+    try:
+        data = None if error else read(args)
+    except (OSError, ValueError) as e:
+        error = str(e)
+    stop_if_any(error and f"--dataset {args.dataset} unavailable on {os.uname().nodename} "
+                          f"({error}): see --data and --no-download, or use --dataset synthetic")
     # Fix: 8 DataLoader workers per rank decoded images; indexing one tensor is many times faster.
-    data = [t.to(device) for t in load(args)]
+    data = [t.to(device) for t in data]
     return data, torch.tensor([mean, std], device=device)[:, :, None, None]
 
 
@@ -389,7 +392,6 @@ def report_epoch(args, row, eta):
                 f.write(json.dumps(row) + "\n")
         except OSError as e:  # a full disk, say; the epoch is saved next
             return f"cannot append to {args.metrics}: {e.strerror}; the row: {json.dumps(row)}"
-    return None
 
 
 def eta(seconds, steps_done, steps_left):
@@ -485,7 +487,6 @@ def main(argv=None):
             raise
         # Out at once: under nccl the teardown can wait for peers that never come.
         sys.excepthook(*sys.exc_info())
-        sys.stderr.flush()
         os._exit(1)
     finally:
         if dist.is_initialized():

@@ -194,7 +194,7 @@ def test_your_own_data_and_model_plug_in_and_a_mismatch_is_one_line(tmp_path, ca
         pad = torch.nn.functional.pad
         return pad(x, (2, 2, 2, 2)).expand(-1, 3, -1, -1).contiguous(), y, \
             pad(tx, (2, 2, 2, 2)).expand(-1, 3, -1, -1).contiguous(), ty
-    monkeypatch.setitem(train.DATASETS, "rgb", (rgb, [0.4] * 3, [0.2] * 3))
+    monkeypatch.setitem(train.DATASETS, "rgb", (None, rgb, [0.4] * 3, [0.2] * 3))
     monkeypatch.setitem(train.MODELS, "gray", lambda channels, classes: train.cnn(1, classes))
     code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "cnn", "--max-steps", "2")
     assert code == 0 and "done: step 2/2" in out, err
@@ -202,8 +202,8 @@ def test_your_own_data_and_model_plug_in_and_a_mismatch_is_one_line(tmp_path, ca
     assert code == 1 and "start:" not in out
     assert err.startswith("train.py: error: --dataset rgb's images, torch.uint8 (256, 3, 32, 32),"
                           " do not fit --arch gray: ") and err.count("\n") == 1, err
-    monkeypatch.setitem(train.DATASETS, "floats", (lambda a: [t.float() if t.dim() == 4 else t
-                                                              for t in rgb(a)], [0.4] * 3, [0.2] * 3))
+    floats = [t.float() if t.dim() == 4 else t for t in rgb(None)]
+    monkeypatch.setitem(train.DATASETS, "floats", (None, lambda args: floats, [0.4] * 3, [0.2] * 3))
     code, _, err = main_in_process(capfd, "--dataset", "floats", "--arch", "cnn")
     assert code == 1 and "do not fit normalize: uint8 (N, C, H, W)" in err, err
 
@@ -302,7 +302,7 @@ def test_errors_every_rank_has_are_one_line_per_node(tmp_path):
     assert bad.returncode != 0 and bad.stderr.count("train.py: error: argument --epochs") == 1
     missing = torchrun(2, *TINY, "--data", tmp_path, timeout=60)
     assert missing.returncode != 0 and f'File "{TRAIN}"' not in missing.stderr
-    assert missing.stderr.count("train.py: error: MNIST unavailable on ") == 1, missing.stderr
+    assert missing.stderr.count("train.py: error: --dataset mnist unavailable on ") == 1, missing.stderr
 
 
 def test_newest_checkpoint_of_any_node_is_resumed(mnist_dir, tmp_path, capfd):
@@ -315,26 +315,29 @@ def test_newest_checkpoint_of_any_node_is_resumed(mnist_dir, tmp_path, capfd):
     state["step"] = 3
     (tmp_path / "b").mkdir()
     torch.save(state, tmp_path / "b" / "last.pt")
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t",
-         f"--rdzv-conf=is_host={int(node == 'a')}", TRAIN, *TINY, "--data", mnist_dir,
-         "--max-steps", "5", "--checkpoint-dir", tmp_path / node],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"}) for node in "ab"]
-    outputs = [finish(node, timeout=90) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), outputs
-    said = "".join(outputs)
+    said = two_nodes(1, TRAIN, *TINY, "--data", mnist_dir, "--max-steps", "5",
+                     "--checkpoint-dir", lambda node: tmp_path / node)
     assert said.count("resumed from ") == 1 and " at step 3\n" in said, said
     assert said.count("done: step 5/5") == 1  # rank 0 alone, on whichever node it ran
     assert sorted(load(tmp_path / n / "last.pt")["step"] for n in "ab") in ([2, 5], [3, 5])
 
 
-def free_port():
+def two_nodes(nproc, script, *args):
+    """torchrun as two nodes, a and b, on this machine, each of nproc ranks; an argument that
+    is a function of the node's name gives each its own. Their output, once both succeeded."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t",
+         f"--rdzv-conf=is_host={int(node == 'a')}", script,
+         *(str(a(node)) if callable(a) else str(a) for a in args)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **HIDDEN_GPUS, "OMP_NUM_THREADS": "1"}) for node in "ab"]
+    outputs = [finish(node, timeout=120) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs
+    return "".join(outputs)
 
 
 def finish(proc, timeout):
@@ -422,8 +425,9 @@ class QuietFiles(http.server.SimpleHTTPRequestHandler):
         self.server.requests.append(self.path)
 
 
-def test_rank_0_downloads_once_while_the_others_wait(mnist_dir, tmp_path):
-    """From a mirror on loopback that serves the tiny MNIST, gzipped as MNIST's mirrors do."""
+def test_one_rank_downloads_on_each_node_while_the_others_wait(mnist_dir, tmp_path):
+    """Two nodes of two ranks, sharing no disk, download from a mirror on loopback that serves
+    the tiny MNIST, gzipped as MNIST's mirrors do."""
     served = tmp_path / "mirror"
     served.mkdir()
     for name in train.MNIST_FILES:
@@ -433,19 +437,17 @@ def test_rank_0_downloads_once_while_the_others_wait(mnist_dir, tmp_path):
             *a, directory=str(served))) as mirror:
         mirror.requests = []
         threading.Thread(target=mirror.serve_forever, daemon=True).start()
-        patch = f"""import torchvision
-MNIST = torchvision.datasets.MNIST
-MNIST.mirrors = ['http://127.0.0.1:{mirror.server_port}/']
-MNIST.resources = [(n + '.gz', None) for n in train.MNIST_FILES]  # checksums are the real one's
-download = MNIST.download
-def download_by(self):
+        patch = f"""def download(args):
+    import torchvision
+    torchvision.datasets.MNIST.mirrors = ['http://127.0.0.1:{mirror.server_port}/']
+    torchvision.datasets.MNIST.resources = [(n + '.gz', None) for n in train.MNIST_FILES]
     with open({str(tmp_path / "downloaders")!r}, "a") as f:
-        f.write(os.environ["RANK"])
-    download(self)
-MNIST.download = download_by"""
-        result = torchrun(2, "--arch", "cnn", "--batch-size", "16", "--data", tmp_path / "data",
-                          "--max-steps", "2", script=patched_train(tmp_path, patch), timeout=90)
+        f.write(os.environ["RANK"] + " ")
+    train.download_mnist(args)
+train.DATASETS["mnist"] = (download, *train.DATASETS["mnist"][1:])"""
+        said = two_nodes(2, patched_train(tmp_path, patch), "--arch", "cnn", "--batch-size", "16",
+                         "--max-steps", "2", "--data", lambda node: tmp_path / node)
         mirror.shutdown()
-    assert_ok(result)
-    assert (tmp_path / "downloaders").read_text() == "00"  # the training and the test split
+    assert "done: step 2/2" in said
+    assert sorted((tmp_path / "downloaders").read_text().split()) == ["0", "2"]  # node b: 2, 3
     assert set(mirror.requests) == {f"/{name}.gz" for name in train.MNIST_FILES}
