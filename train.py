@@ -58,8 +58,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(epilog="examples:\n" + __doc__.split("\n\n")[1], description=__doc__.split("\n")[0],
+               formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                  argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--dataset", choices=DATASETS, default="mnist", help="synthetic: no download")
     p.add_argument("--data", default="./data", help="directory that holds (or gets) MNIST/raw")
     p.add_argument("--no-download", action="store_true", help="fail if MNIST's files are missing")
@@ -71,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--accum-steps", type=positive_int, default=1, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
-    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
+    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none", help="fp16: scaled")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="auto: nccl where torch sees a GPU, else gloo (on the CPU)")
@@ -314,8 +315,7 @@ def resume(path, model, optimizer, scaler, args, device):
     if max(steps) < 0:
         return 0
     if len(set(steps)) > 1:  # not one shared file: the newest goes to every rank
-        box = [state]
-        dist.broadcast_object_list(box, src=steps.index(max(steps)))
+        dist.broadcast_object_list(box := [state], src=steps.index(max(steps)))
         state = box[0]
     error = why_not_resumable(state, args)
     if not error:
