@@ -43,7 +43,9 @@ machine both ends of every connection share the same cores.
 Each host count runs once per round; the table shows, per host count, the round with the
 smallest t(N) (best of 2 rounds; --quick: 1 round of 1 and 2 hosts). After each
 measurement the job is stopped with SIGINT and the hosts are checked clean before the
-next. Needs root, iproute2, openssh-server and pytest (see tests/cluster.py).
+next. --launcher DIR (twice, to compare two copies of launch.sh and lib/, an older one
+from git say) measures them in turn, host count by host count, in one run. Needs root,
+iproute2, openssh-server and pytest (see tests/cluster.py).
 """
 import argparse
 import os
@@ -56,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 from common import (LONG_TRAIN, REPO, Launched, clock, is_torchrun, is_worker, limit_run_time,
                     print_machine, print_table, proc_stat, simulated_cluster, verdict)
 
@@ -187,30 +190,8 @@ def sequential_ssh(cluster, n_hosts):
     return wall, client / n_hosts, (sum(map(reaped_cpu, sshd_pids)) - there) / n_hosts
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"a smoke run: {QUICK_ROUNDS} round of 1 and 2 hosts (the ratio "
-                        "line is t(2) / t(1): no t(8))")
-    args = p.parse_args()
-    host_counts, rounds = (QUICK_HOSTS, QUICK_ROUNDS) if args.quick else (HOSTS, ROUNDS)
-    limit_run_time(150 if args.quick else 420)
-
-    cores = len(os.sched_getaffinity(0))
-    print_machine()
-    print("load average (1, 5, 15 min) before: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
-    began = time.monotonic()
-    with simulated_cluster(max(host_counts)) as cluster:
-        seq = {n: sequential_ssh(cluster, n) for n in host_counts}  # also warms sshd and ssh
-        runs, stubs = {n: [] for n in host_counts}, {n: [] for n in host_counts}
-        for r in range(rounds):
-            for n in host_counts:
-                stubs[n].append(measure_stub(cluster, n))
-                runs[n].append(measure(cluster, n, cores))
-                print(f"  round {r + 1}, {n} host(s): stub on every host after "
-                      f"{stubs[n][-1][2]:.2f} s, step 1 after {runs[n][-1]['step 1']:.2f} s",
-                      flush=True)
+def report(stubs, runs, seq, host_counts, rounds, cores):
+    """The tables and ratios of one launcher's stubs and runs {host count: [rows]}."""
     stub = {n: min(stubs[n], key=lambda row: row[2]) for n in host_counts}
     best = {n: min(runs[n], key=lambda row: row["step 1"]) for n in host_counts}
     print(f"launch.sh HOSTS x 1 process, train.py --arch cnn --dataset synthetic, gloo, "
@@ -238,10 +219,47 @@ def main():
     floor = best[hi]["floor"]
     print(f"CPU seconds used by step 1: {cpu:.1f}x as many at {hi} hosts as at {lo}; on {cores} "
           f"cores they alone take {floor:.2f} s = {floor / best[lo]['step 1']:.2f} x t({lo})")
-    print(f"took {time.monotonic() - began:.0f} s")
     ratio = best[hi]["step 1"] / best[lo]["step 1"]
     print(f"ratio t({hi}) / t({lo}) to step 1 on every host: {ratio:.2f} (target <= {TARGET}): "
           f"{verdict(ratio, TARGET, at_least=False)}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run: {QUICK_ROUNDS} round of 1 and 2 hosts (the ratio "
+                        "line is t(2) / t(1): no t(8))")
+    p.add_argument("--launcher", action="append", type=Path, metavar="DIR",
+                   help="directory of the launch.sh to measure (default: this repository's); "
+                        "twice, to compare two in turn")
+    args = p.parse_args()
+    host_counts, rounds = (QUICK_HOSTS, QUICK_ROUNDS) if args.quick else (HOSTS, ROUNDS)
+    launchers = [d.resolve() / "launch.sh" for d in args.launcher or [REPO]]
+    limit_run_time((150 if args.quick else 420) * len(launchers))
+
+    cores = len(os.sched_getaffinity(0))
+    print_machine()
+    print("load average (1, 5, 15 min) before: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    began = time.monotonic()
+    with simulated_cluster(max(host_counts)) as cluster:
+        seq = {n: sequential_ssh(cluster, n) for n in host_counts}  # also warms sshd and ssh
+        runs = {(launcher, n): [] for launcher in launchers for n in host_counts}
+        stubs = {(launcher, n): [] for launcher in launchers for n in host_counts}
+        for r in range(rounds):
+            for n in host_counts:
+                for launcher in launchers:
+                    common.LAUNCH = launcher  # what Launched starts
+                    stubs[launcher, n].append(measure_stub(cluster, n))
+                    runs[launcher, n].append(measure(cluster, n, cores))
+                    print(f"  round {r + 1}, {n} host(s), {launcher}: stub on every host after "
+                          f"{stubs[launcher, n][-1][2]:.2f} s, step 1 after "
+                          f"{runs[launcher, n][-1]['step 1']:.2f} s", flush=True)
+    for launcher in launchers:
+        print(f"--- {launcher}")
+        report({n: stubs[launcher, n] for n in host_counts}, {n: runs[launcher, n] for n in host_counts},
+               seq, host_counts, rounds, cores)
+    print(f"took {time.monotonic() - began:.0f} s")
 
 
 if __name__ == "__main__":

@@ -16,15 +16,19 @@ that hangs until the collective timeout: train.py's --timeout (300 s by default)
 10 minutes without one.
 
 Full run: 4 hosts, 3 trials of each, judged on the worst trial. --quick: 2 hosts, 1 trial
-of each. Needs root, iproute2, openssh-server and pytest (see tests/cluster.py).
+of each. --launcher DIR (twice, to compare two copies of launch.sh and lib/, an older one
+from git say) measures them in turn, trial by trial, in one run. Needs root, iproute2,
+openssh-server and pytest (see tests/cluster.py).
 """
 import argparse
 import os
+from pathlib import Path
 import signal
 import statistics
 import tempfile
 import time
 
+import common
 from common import (LONG_TRAIN, Launched, clock, is_torchrun, is_worker, limit_run_time,
                     print_machine, print_table, simulated_cluster, verdict)
 
@@ -61,7 +65,8 @@ def watch(cluster, hosts, launch, event):
     return done
 
 
-def trial(cluster, hosts, kind):
+def trial(cluster, hosts, kind, launcher):
+    common.LAUNCH = launcher  # what Launched starts
     with tempfile.TemporaryDirectory(prefix="bench-teardown-") as tmp:
         with Launched(cluster, hosts, 1, LONG_TRAIN, tmp) as launch:
             launch.wait_for(RUNNING, STEP_TIMEOUT)
@@ -90,39 +95,46 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK_HOSTS} hosts, {QUICK_TRIALS} trial of each")
+    p.add_argument("--launcher", action="append", type=Path, metavar="DIR",
+                   help="directory of the launch.sh to measure (default: this repository's); "
+                        "twice, to compare two in turn")
     args = p.parse_args()
     n_hosts, trials = (QUICK_HOSTS, QUICK_TRIALS) if args.quick else (HOSTS, TRIALS)
-    limit_run_time(150 if args.quick else 420)
+    launchers = [d.resolve() / "launch.sh" for d in args.launcher or [common.REPO]]
+    limit_run_time((150 if args.quick else 420) * len(launchers))
 
     print_machine()
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     began = time.monotonic()
-    results = {kind: [] for kind in TARGETS}
+    results = {(launcher, kind): [] for launcher in launchers for kind in TARGETS}
     with simulated_cluster(n_hosts) as cluster:
         hosts = cluster.hosts
         for t in range(trials):
-            for kind in TARGETS:
-                results[kind].append(trial(cluster, hosts, kind))
-                print(f"  trial {t + 1}, {kind}: all clean after "
-                      f"{seconds(results[kind][-1]['all clean'])} s", flush=True)
+            for launcher in launchers:
+                for kind in TARGETS:
+                    results[launcher, kind].append(trial(cluster, hosts, kind, launcher))
+                    print(f"  trial {t + 1}, {launcher}, {kind}: all clean after "
+                          f"{seconds(results[launcher, kind][-1]['all clean'])} s", flush=True)
     print(f"launch.sh {n_hosts} hosts x 1 process, train.py --arch cnn --dataset synthetic, "
           f"stopped after step 2; seconds after the event")
     parts = ["workers gone", "torchruns gone", "launch.sh exited", "hosts clean",
              "ssh clients gone", "all clean"]
-    print_table(["event", "trial", *parts, "exit status"],
-                [(kind, t + 1, *(seconds(r[c]) for c in parts), r["status"])
-                 for kind in TARGETS for t, r in enumerate(results[kind])])
+    print_table(["launcher", "event", "trial", *parts, "exit status"],
+                [(launcher.parent, kind, t + 1, *(seconds(r[c]) for c in parts), r["status"])
+                 for launcher in launchers for kind in TARGETS
+                 for t, r in enumerate(results[launcher, kind])])
     print(f"took {time.monotonic() - began:.0f} s")
-    summary = []
-    for kind, target in TARGETS.items():
-        times = [r["all clean"] for r in results[kind]]
-        worst = None if None in times else max(times)
-        median = statistics.median(t if t is not None else float("inf") for t in times)
-        median = None if median == float("inf") else median
-        ratio = float("inf") if worst is None else worst / target
-        summary.append(f"{kind} worst {seconds(worst)} s (median {seconds(median)}) / target "
-                       f"{target:.0f} s = {ratio:.2f}: {verdict(ratio, 1.0, at_least=False)}")
-    print("ratio worst / target: " + "; ".join(summary))
+    for launcher in launchers:
+        summary = []
+        for kind, target in TARGETS.items():
+            times = [r["all clean"] for r in results[launcher, kind]]
+            worst = None if None in times else max(times)
+            median = statistics.median(t if t is not None else float("inf") for t in times)
+            median = None if median == float("inf") else median
+            ratio = float("inf") if worst is None else worst / target
+            summary.append(f"{kind} worst {seconds(worst)} s (median {seconds(median)}) / target "
+                           f"{target:.0f} s = {ratio:.2f}: {verdict(ratio, 1.0, at_least=False)}")
+        print(f"{launcher.parent}: ratio worst / target: " + "; ".join(summary))
 
 
 if __name__ == "__main__":

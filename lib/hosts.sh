@@ -1,140 +1,109 @@
 # shellcheck shell=bash
 #
-# What launch.sh and setup_ssh.sh share: reading a hosts file and SSH_COMMAND,
-# and the command line that runs bash on a host. Source it; the caller defines
-# die MESSAGE (prints and exits 2).
+# What launch.sh and setup_ssh.sh share: the hosts file, SSH_COMMAND, the command
+# that runs bash on a host, and what ssh's refusals mean. Source it after defining
+# die MESSAGE (prints, exits 2). Run as a command, it is check_env.py's reader:
+#   bash lib/hosts.sh HOSTFILE   prints LABEL<TAB>DESTINATION<TAB>PORT<TAB>LOCAL a host
 #
-# One host per line, [user@]host[:port]; '#' starts a comment. A line with any
-# other character (a shell metacharacter above all) is an error, so no line
-# can ever run a command. localhost and this machine's own name or addresses,
-# written without user or port, are local: they run here without SSH.
-
-trim() {
-  local text=$1
-  text=${text#"${text%%[![:space:]]*}"}
-  printf '%s\n' "${text%"${text##*[![:space:]]}"}" # (echo would take -n, -e as options)
-}
+# One host per line, [user@]host[:port]; '#' starts a comment. Any other character
+# (a shell metacharacter above all) is an error, so no line can ever run a command.
+# localhost and this machine's names and addresses, without user or port, are local:
+# they run here without SSH.
 
 is_port() {
   [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
 }
 
-# Dies unless $1 is a file this script can read (a pipe, as from <(...), is one).
-require_readable_file() {
+require_file() {
   [[ -e $1 ]] || die "$1: no such file"
   [[ ! -d $1 ]] || die "$1: is a directory"
   [[ -r $1 ]] || die "$1: no permission to read it"
 }
 
-# Appends each host of file $1 to the caller's arrays labels (the line),
-# destinations ([user@]host), ports (may be empty) and local_node ("yes" or
-# empty); dies on a malformed line, a duplicate or an empty file.
+# Appends each host of file $1 to the caller's arrays labels (the line), destinations
+# ([user@]host), ports (may be empty) and local_node (yes or empty).
 read_hostfile() {
-  local file=$1 line n=0 user host name port key is_local hint node_name own_names=() addresses=()
+  local file=$1 line n=0 user host port key is_local own
   local -A seen=()
-  require_readable_file "$file"
-  node_name=$(uname -n)
-  own_names=(localhost "$node_name" "${node_name%%.*}" "$(hostname -f 2>/dev/null || true)")
-  read -ra addresses <<<"$(hostname -I 2>/dev/null || true)"
-  own_names+=("${addresses[@]}")
-  own_names=("${own_names[@],,}")
+  require_file "$file"
+  own=" localhost $HOSTNAME ${HOSTNAME%%.*} $(hostname -f 2>/dev/null) $(hostname -I 2>/dev/null) "
+  own=${own,,}
   while IFS= read -r line || [[ -n $line ]]; do
     n=$((n + 1))
     ((n > 1)) || line=${line#$'\xef\xbb\xbf'} # the byte-order mark some Windows editors write
-    line=$(trim "${line%%#*}")
+    line=${line%%#*}
+    line=${line#"${line%%[![:space:]]*}"}
+    line=${line%"${line##*[![:space:]]}"} # (CRLF's \r too)
     [[ -n $line ]] || continue
-    if [[ ! $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]{1,5}))?$ ]]; then
-      hint=''
-      if [[ $line == *[[:space:]]slots=* ]]; then
-        hint=" (DeepSpeed's and MPI's slots=N has no place here: launch.sh's NPROC_PER_NODE applies to every host)"
-      fi
-      die "$file:$n: not a [user@]host[:port]: $(LC_ALL=C printf %q "$line")$hint" # %q shows what is invisible
-    fi
+    [[ $line =~ ^(([A-Za-z0-9_][A-Za-z0-9._-]*)@)?([A-Za-z0-9_][A-Za-z0-9._-]*)(:([0-9]+))?$ ]] \
+      || die "$file:$n: not a [user@]host[:port]: $(LC_ALL=C printf %q "$line")" # %q shows the invisible
     user=${BASH_REMATCH[2]} host=${BASH_REMATCH[3]} port=${BASH_REMATCH[5]}
     [[ -z $port ]] || is_port "$port" || die "$file:$n: bad port: $line"
-    name=${host,,} # host names are case-insensitive
-    key="$name:${port:-22}"
-    is_local=''
-    if [[ -z $user && -z $port ]] && [[ " ${own_names[*]} " == *" $name "* || $host == 127.* ]]; then
-      is_local=yes
-      key=this-machine # under any of its names: two nodes would share its GPUs
+    key="${host,,}:${port:-22}" is_local=''
+    if [[ -z $user$port && ($own == *" ${host,,} "* || $host == 127.*) ]]; then
+      is_local=yes key=this-machine # under any of its names: two nodes would share its GPUs
     fi
-    if [[ -n ${seen[$key]:-} ]]; then
-      die "$file:$n: duplicate host: $line (${is_local:+this machine, }also on line ${seen[$key]})"
-    fi
+    [[ -z ${seen[$key]:-} ]] || die "$file:$n: duplicate host: $line (${is_local:+this machine, }also on line ${seen[$key]})"
     seen[$key]=$n
-    labels+=("$line")
-    destinations+=("${user:+$user@}$host")
-    ports+=("$port")
-    local_node+=("$is_local")
+    labels+=("$line") destinations+=("${user:+$user@}$host") ports+=("$port") local_node+=("$is_local")
   done <"$file"
   ((${#labels[@]})) || die "$file: no hosts"
 }
 
-# Sets the caller's array ssh_command to $SSH_COMMAND split on spaces, or to
-# ssh where that is unset or blank.
+# Sets the caller's ssh_command to $SSH_COMMAND split on spaces; unset or blank, ssh.
 read_ssh_command() {
   read -ra ssh_command <<<"${SSH_COMMAND:-}"
   ((${#ssh_command[@]})) || ssh_command=(ssh)
 }
 
-# Dies unless this bash is at least version $1.$2.
-require_bash() {
-  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < $1 * 100 + $2)); then
-    die "needs bash $1.$2 or newer (this is $BASH_VERSION)"
-  fi
-}
-
 # Prints its arguments single-quoted for bash, space-separated.
 quote_words() {
   local word quoted=()
-  for word; do
-    quoted+=("'${word//\'/\'\\\'\'}'")
-  done
+  for word; do quoted+=("'${word//\'/\'\\\'\'}'"); done
   echo "${quoted[*]}"
 }
 
-# Prints the command line for ssh that runs bash script $1 with arguments
-# "${@:2}" on a host. The login shell there may be sh, bash, zsh, fish or tcsh:
-# script and arguments travel base64-encoded, so it sees no character it
-# could treat differently.
+# Prints the command for ssh that runs bash script $1 with arguments "${@:2}" on a host.
+# The login shell there may be sh, zsh, fish or tcsh: base64 holds nothing they parse.
 remote_bash_command() {
-  local script=$1 payload
-  shift
-  payload=$(printf 'set -- %s\n%s\n' "$(quote_words "$@")" "$script" | base64 | tr -d '\n')
+  local payload
+  payload=$(printf 'set -- %s\n%s\n' "$(quote_words "${@:2}")" "$1" | base64 | tr -d '\n')
   echo "bash -c 'eval \"\$(echo $payload | base64 -d)\"'"
 }
 
-# Prints the line of output $1 that says why a login or a command failed: a PAM
-# module's refusal ("Access denied by pam_slurm_adopt: ..."), or sshd's reason
-# for cutting ssh off ("Received disconnect from ...: Too many authentication
-# failures"), which come before ssh's own last line ("Connection closed by
-# ...", "Disconnected from ..."), else the last line that is not blank;
-# without the \r that ssh ends its own lines with.
-reason_line() {
-  local line
+# Prints why ssh failed, from its output $1, with the fix in parentheses where one is
+# known; $2, if given, is the setup_ssh.sh command that installs a key or a host's key.
+ssh_failure() {
+  local line fix=''
+  # A PAM module's refusal or sshd's reason come before ssh's own last line.
   line=$(grep -m 1 -e '^Access denied' -e '^Received disconnect from ' <<<"$1") \
     || line=$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1) || true
-  echo "${line%$'\r'}"
+  case $1 in
+    *'REMOTE HOST IDENTIFICATION HAS CHANGED'*)
+      fix=$(grep -A 1 '^ *remove with:' <<<"$1" | grep -o 'ssh-keygen.*') || fix='remove the old key from known_hosts'
+      fix="its key changed since it was recorded: find out why, then ${fix%$'\r'}" ;;
+    *'Too many authentication failures'*)
+      fix="ssh offers other keys first, more than the host takes: give these hosts 'IdentityFile KEY'"
+      fix+=" and 'IdentitiesOnly yes' in ~/.ssh/config" ;;
+    *'Access denied'*'active jobs'*) # Slurm's pam_slurm_adopt
+      fix="Slurm lets in only users with a job there: run launch.sh in an allocation of these hosts" ;;
+    *'Permission denied ('*) fix=${2:+"$2 installs your key (one with a passphrase needs ssh-add first)"} ;;
+    *'Host key verification failed.'*) fix=${2:+"$2 records a new host's key"} ;;
+  esac
+  line=${line%$'\r'}
+  echo "${line:-ssh said nothing}${fix:+ ($fix)}"
 }
 
-# For ssh's output $1: where sshd cut ssh off for offering more keys than it
-# takes (MaxAuthTries, 6 by default), before the one it would accept, prints
-# what to do, in parentheses; else nothing.
-too_many_keys_fix() {
-  [[ $1 == *'Too many authentication failures'* ]] || return 0
-  echo " (ssh offers other keys first, ssh-agent's say, more than the host takes: give these" \
-    "hosts 'IdentityFile KEY' and 'IdentitiesOnly yes' in ~/.ssh/config)"
-}
-
-# For ssh's output $1: where it refused a changed host key, prints what to do,
-# in parentheses (ssh's own command names the known_hosts entry as
-# ~/.ssh/config's HostName, Port and HostKeyAlias make it); else nothing.
-changed_host_key_fix() {
-  local removal
-  [[ $1 == *'REMOTE HOST IDENTIFICATION HAS CHANGED'* ]] || return 0
-  removal=$(grep -A 1 '^ *remove with:' <<<"$1" | tail -n 1) || true
-  removal=${removal#"${removal%%ssh-keygen*}"} removal=${removal%$'\r'}
-  echo " (its key changed since it was recorded: find out why, then" \
-    "${removal:-remove the old key from known_hosts})"
-}
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then # run as a command
+  set -euo pipefail
+  die() {
+    echo "${0##*/}: $*" >&2
+    exit 2
+  }
+  (($# == 1)) || die "usage: lib/hosts.sh HOSTFILE"
+  labels=() destinations=() ports=() local_node=()
+  read_hostfile "$1"
+  for i in "${!labels[@]}"; do
+    printf '%s\t%s\t%s\t%s\n' "${labels[i]}" "${destinations[i]}" "${ports[i]}" "${local_node[i]}"
+  done
+fi
