@@ -7,7 +7,7 @@ Three ranks under torchrun --standalone, on the CPU, save after every step. Each
 of: a machine's crash (SIGKILL to torchrun and its workers), a worker's kill -9 (torchrun
 stops the others), SIGTERM to torchrun, or a kill -9 of torchrun alone (its workers end
 with it). It also counts the kills that left a process of the run behind (torchrun's gaps,
-in the README's "Without launch.sh"), and kills those. Exits 1 unless every trial is exact."""
+in docs/multi-node.md's "Without launch.sh"), and kills those. Exits 1 unless every trial is exact."""
 import argparse
 import os
 import random

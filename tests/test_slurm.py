@@ -20,12 +20,8 @@ SBATCH = REPO / "train.sbatch"
 slurm = slurm_fixture(n_hosts=2)
 
 # The README's SLURM lines, run here as written (JOBID: the number sbatch printed).
-README_LINES = [
-    "sbatch --nodes=2 --gpus-per-node=4 train.sbatch 4 train.py --checkpoint-dir checkpoints",
-    "squeue --me            # ST: R running, PD waiting for nodes",
-    "tail -f train-*.out    # 0: lines from the first node, 1: from the second",
-    "scancel JOBID          # stops it on every node",
-]
+README_LINES = ((REPO / "README.md").read_text().split("## SLURM\n", 1)[1]
+                .split("```bash\n", 1)[1].split("```", 1)[0].splitlines())
 
 
 @pytest.fixture(autouse=True)

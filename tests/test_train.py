@@ -138,10 +138,10 @@ def test_every_epoch_is_shuffled_anew(mnist_dir, tmp_path, capfd, monkeypatch):
 def test_one_process_learns_and_says_so_when_copied_alone(tmp_path):
     shutil.copy(TRAIN, tmp_path)
     result = run([sys.executable, "train.py", "--arch", "cnn", "--dataset", "synthetic",
-                  "--max-steps", "40"], cwd=tmp_path)
+                  "--max-steps", "60"], cwd=tmp_path)
     assert_ok(result)
     last = result.stdout.splitlines()[-1]
-    assert last.startswith("done: step 40/40 in 0:00:") and "(see --checkpoint-dir)" in last
+    assert last.startswith("done: step 60/60 in 0:00:") and "(see --checkpoint-dir)" in last
     accuracy = float(last.split("test_acc ")[1].split("%")[0])
     assert accuracy > 50  # chance is 10
     assert sorted(os.listdir(tmp_path)) == ["train.py"]  # no download, nothing written
@@ -195,13 +195,13 @@ def test_your_own_data_and_model_plug_in_and_a_mismatch_is_one_line(tmp_path, ca
         return pad(x, (2, 2, 2, 2)).expand(-1, 3, -1, -1).contiguous(), y, \
             pad(tx, (2, 2, 2, 2)).expand(-1, 3, -1, -1).contiguous(), ty
     monkeypatch.setitem(train.DATASETS, "rgb", (None, rgb, [0.4] * 3, [0.2] * 3))
-    monkeypatch.setitem(train.MODELS, "gray", lambda channels, classes: train.cnn(1, classes))
-    code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "cnn", "--max-steps", "2")
+    monkeypatch.setitem(train.MODELS, "cnn32", lambda channels, classes: train.cnn(channels, classes, 32))
+    code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "cnn32", "--max-steps", "2")
     assert code == 0 and "done: step 2/2" in out, err
-    code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "gray")
+    code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "cnn")  # for 28x28
     assert code == 1 and "start:" not in out
     assert err.startswith("train.py: error: --dataset rgb's images, torch.uint8 (256, 3, 32, 32),"
-                          " do not fit --arch gray: ") and err.count("\n") == 1, err
+                          " do not fit --arch cnn: ") and err.count("\n") == 1, err
     floats = [t.float() if t.dim() == 4 else t for t in rgb(None)]
     monkeypatch.setitem(train.DATASETS, "floats", (None, lambda args: floats, [0.4] * 3, [0.2] * 3))
     code, _, err = main_in_process(capfd, "--dataset", "floats", "--arch", "cnn")
@@ -451,3 +451,26 @@ train.DATASETS["mnist"] = (download, *train.DATASETS["mnist"][1:])"""
     assert "done: step 2/2" in said
     assert sorted((tmp_path / "downloaders").read_text().split()) == ["0", "2"]  # node b: 2, 3
     assert set(mirror.requests) == {f"/{name}.gz" for name in train.MNIST_FILES}
+
+
+def test_the_readmes_example_of_your_own_data_and_model_trains(tmp_path, capfd, monkeypatch):
+    """README.md's CIFAR-10 lines, with torchvision's CIFAR10 faked (nothing downloads)."""
+    block = (REPO / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    code, entries = block.split("# in DATASETS:\n")
+
+    class FakeCIFAR10:  # as torchvision's: HWC uint8 images in .data, a list in .targets
+        def __init__(self, root, train, download=False):
+            g = torch.Generator().manual_seed(int(train))
+            self.data = torch.randint(0, 256, (64, 32, 32, 3), generator=g, dtype=torch.uint8).numpy()
+            self.targets = torch.randint(0, 10, (64,), generator=g).tolist()
+
+    monkeypatch.setattr("torchvision.datasets.CIFAR10", FakeCIFAR10)
+    namespace = {**vars(train), "MyNet": lambda channels, classes: train.cnn(channels, classes, 32)}
+    exec(code, namespace)
+    new = eval("{" + entries.replace("# in MODELS (train.py's cnn takes a size too):", "") + "}",
+               namespace)
+    for name, entry in new.items():
+        monkeypatch.setitem(train.DATASETS if name == "cifar10" else train.MODELS, name, entry)
+    code, out, err = main_in_process(capfd, "--dataset", "cifar10", "--arch", "mynet",
+                                     "--data", tmp_path, "--max-steps", "2", "--batch-size", "16")
+    assert code == 0 and "done: step 2/2" in out, err
