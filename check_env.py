@@ -23,7 +23,6 @@ if sys.version_info < (3, 10):  # one line, where --python finds an old interpre
 
 import argparse
 import contextlib
-import errno
 import fcntl
 import ipaddress
 import json
@@ -53,8 +52,6 @@ ARCH_NAME = re.compile(r"(sm|compute)_(\d+)([af]?)")  # in torch.cuda.get_arch_l
 # The env row: what torch.distributed's networking reads, and which GPUs a job sees.
 NETWORK_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE",
                "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
-SSH_OPTIONS = ["-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "RemoteCommand=none",
-               "-o", "ClearAllForwardings=yes", "-o", "LogLevel=INFO"]  # INFO: Slurm's refusal is a banner
 DRIVER = "/proc/driver/nvidia/version"
 IB = "/sys/class/infiniband"  # InfiniBand and RoCE devices (mlx5_0 ...), which NCCL prefers to sockets
 SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # Linux ioctls: an interface's IPv4 address and mask
@@ -64,7 +61,7 @@ ALLREDUCE_SIZES_NCCL = ALLREDUCE_SIZES + [256 * 2**20, 2**30]  # NVLink and Infi
 ALLREDUCE_SLOW_S = 0.05  # ... unless 64 MiB took longer: that link is at its peak already
 ALLREDUCE_BYTES_PER_SIZE = 256 * 2**20  # iterations per size: about this many bytes, 3..20 of them
 
-Host = namedtuple("Host", "label destination port local")  # as lib/hosts.sh prints them
+Host = namedtuple("Host", "label local ssh")  # as lib/hosts.sh prints them: ssh, the command that reaches it
 
 
 class UsageError(Exception):
@@ -122,7 +119,8 @@ def torch_facts(why):
         facts["gpus"] = [gpu_facts(torch, i, facts["arch_list"]) for i in range(torch.cuda.device_count())]
     except Exception as exc:  # a driver too old for this torch, MIG without CUDA_VISIBLE_DEVICES
         why["gpus"] = describe(exc)
-    if not facts["gpus"] and "gpus" not in why and (cannot := gpus_torch_cannot_use(torch)):
+    cannot = None if facts["gpus"] or "gpus" in why else gpus_torch_cannot_use(torch)
+    if cannot:
         why["gpus"] = cannot
     try:
         import torchvision
@@ -468,39 +466,6 @@ def clock_problems(usable):
     return found
 
 
-def address_problems(hosts, reports):
-    """The other hosts reach each host where SSH reached it, and this machine where the first
-    remote host saw it connect from (not so behind NAT or a jump host)."""
-    problems, seen, client = [], {}, None
-    for host, report in zip(hosts, reports):
-        fields = (report.get("ssh_connection") or "").split()
-        if host.local or "error" in report or len(fields) != 4:
-            continue
-        client, address = client or fields[0], fields[2]
-        if (address.startswith("127.") or address == "::1") and len(hosts) > 1:
-            problems.append(f"{host.label}: reached at {address} (a tunnel?): list it by an address the other "
-                            "hosts can reach")
-        elif address in seen:
-            problems.append(f"{host.label}: reached at {address}, as {seen[address]} is: every host needs its own "
-                            "address")
-        seen.setdefault(address, host.label)
-    if client and not holds_address(client):
-        problems += [f"{host.label}: the other hosts see this machine as {client}, which it does not hold (NAT or a "
-                     "jump host?): launch from a host they reach directly" for host in hosts if host.local]
-    return problems
-
-
-def holds_address(address):
-    """Whether this machine holds address; True when it cannot tell."""
-    address = address.removeprefix("::ffff:")
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
-            probe.bind((address, 0))
-    except OSError as exc:
-        return exc.errno != errno.EADDRNOTAVAIL
-    return True
-
-
 # ---------------------------------------------------------------- gathering reports
 
 def read_hosts(path):
@@ -509,16 +474,15 @@ def read_hosts(path):
                             timeout=60)
     if result.returncode != 0:
         raise UsageError(result.stderr.strip().removeprefix("hosts.sh: ") or f"lib/hosts.sh exited {result.returncode}")
-    return [Host(*line.split("\t")) for line in result.stdout.splitlines()]
+    return [Host(fields[0], fields[1] == "yes", fields[2:])
+            for fields in (line.split("\t") for line in result.stdout.splitlines())]
 
 
 def host_command(host, python):
-    """The command that runs `python - --json` on host: over SSH_COMMAND, unless local."""
+    """The command that runs `python - --json` on host: over ssh, unless local."""
     if host.local:
         return [python, "-", "--json"]
-    ssh = os.environ.get("SSH_COMMAND", "").split() or ["ssh"]  # unset or blank: ssh
-    port = ["-p", host.port] if host.port else []
-    return [*ssh, *SSH_OPTIONS, *port, "--", host.destination, "exec " + shlex.join([python, "-", "--json"])]
+    return [*host.ssh, "exec " + shlex.join([python, "-", "--json"])]
 
 
 def run_all(commands, labels):
@@ -554,8 +518,9 @@ def start(argv, path):
 def wait_for(procs, labels):
     """[those of procs still running after REPORT_TIMEOUT_S]; those after PATIENCE_S are named."""
     began, named = time.monotonic(), False
-    while late := {p: label for label, p in zip(labels, procs) if isinstance(p, subprocess.Popen) and p.poll() is None}:
-        if time.monotonic() > began + REPORT_TIMEOUT_S:
+    while True:
+        late = {p: label for label, p in zip(labels, procs) if isinstance(p, subprocess.Popen) and p.poll() is None}
+        if not late or time.monotonic() > began + REPORT_TIMEOUT_S:
             break
         if not named and time.monotonic() > began + PATIENCE_S:
             print(f"check_env.py: still waiting for {', '.join(late.values())} after {PATIENCE_S} s (giving up at "
@@ -578,16 +543,13 @@ def parse_report(status, stdout, asked, answered):
 
 def failure(status, stderr, python, remote, hostfile=None):
     """Why a report could not be had, in the words a user needs to fix it."""
-    lines = [line.rstrip("\r") for line in stderr.strip().splitlines()] or [""]
-    # PAM's refusal and sshd's reason come before ssh's own last line ("Connection closed").
-    reason = next((line for line in lines if line.startswith(("Access denied", "Received disconnect"))), lines[-1])
+    if status == 255 and remote:  # ssh's own: lib/hosts.sh says why, as it does for launch.sh
+        why = subprocess.run(["bash", str(HERE / "lib" / "hosts.sh"), "--ssh-failure", hostfile], input=stderr,
+                             capture_output=True, text=True, timeout=60)
+        return why.stdout.strip() or stderr.strip()
+    reason = ([line.rstrip("\r") for line in stderr.strip().splitlines()] or [""])[-1]
     if status is None:
         return reason
-    if status == 255 and remote:
-        if re.search(r"Permission denied|Host key verification|Access denied|Too many authentication", stderr):
-            fix = "in an allocation, use --slurm" if "pam_slurm_adopt" in reason else f"./setup_ssh.sh {hostfile}"
-            return f"ssh refused the login: {reason} ({fix})"
-        return f"unreachable: {reason or 'ssh said nothing'}"
     if status == 127:
         return f"{python} not found (use --python)"
     return f"{python} failed with exit status {status}: {reason}"
@@ -604,17 +566,24 @@ def host_reports(hosts, python, hostfile):
 
 
 def slurm_command(python, nodes):
-    # --overlap: beside a step that holds the nodes (salloc's interactive one, say);
-    # --label: "TASK: " before each line; one task per node, in the order of the node list.
-    return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=0", "--label",
-            python, "-", "--json"]
+    # --ntasks: else srun takes SLURM_NTASKS, several tasks a node; --overlap: beside a step
+    # that holds the nodes (salloc's, say); --label: "TASK: " before each line, one task a node.
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap",
+            "--kill-on-bad-exit=0", "--label", python, "-", "--json"]
 
 
 def slurm_reports(python):
     """(node names, reports) of every node of this allocation, through srun."""
     if "SLURM_JOB_ID" not in os.environ:
         raise UsageError("--slurm runs inside a SLURM allocation (salloc or sbatch): SLURM_JOB_ID is not set")
-    nodes = subprocess.run(["scontrol", "show", "hostnames"], capture_output=True, text=True, timeout=60).stdout.split()
+    try:
+        listed = subprocess.run(["scontrol", "show", "hostnames"], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise UsageError("--slurm needs SLURM's scontrol, and there is none on PATH") from None
+    nodes = listed.stdout.split()
+    if not nodes:
+        raise UsageError(f"scontrol lists no node of job {os.environ['SLURM_JOB_ID']}: "
+                         f"{listed.stderr.strip() or 'is SLURM_JOB_NODELIST set?'}")
     asked = time.time()
     [(status, out, err)] = run_all([slurm_command(python, len(nodes))], [f"srun ({len(nodes)} nodes)"])
     answered = time.time()
@@ -742,7 +711,7 @@ def compare(args):
     """--hosts or --slurm: every host's report, the table, the problems; then --allreduce."""
     hosts = None if args.slurm else read_hosts(args.hosts)
     labels, reports = slurm_reports(args.python) if args.slurm else host_reports(hosts, args.python, args.hosts)
-    problems = find_problems(labels, reports, args.nproc) + (address_problems(hosts, reports) if hosts else [])
+    problems = find_problems(labels, reports, args.nproc)
     nproc = args.nproc or max(1, min(len(r.get("gpus") or []) for r in reports))  # one per GPU, or 1 on CPU
     if args.allreduce and not problems and len(labels) * nproc < 2:
         raise UsageError(f"--allreduce needs 2 processes or more, and this is {len(labels)} host x {nproc} process: "
@@ -771,8 +740,10 @@ def main(argv=None):
             return compare(args)
         if args.allreduce:
             if not args.nproc:
-                import torch  # one process per GPU, by default
-
+                try:
+                    import torch  # one process per GPU, by default
+                except ImportError:
+                    raise UsageError(f"--allreduce needs torch, and {sys.executable} has none") from None
                 args.nproc = torch.cuda.device_count()
             if args.nproc < 2:
                 raise UsageError("--allreduce needs 2 processes or more: add --nproc 2")

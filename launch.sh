@@ -16,8 +16,8 @@
 #   --log-dir DIR     each host's log in DIR/JOB_ID/HOST.log (default: logs)
 #   --dry-run         check every host, print its command, start nothing
 #   -h, --help        show this help
-# SSH_COMMAND (default: ssh) runs every ssh call. LAUNCH_SILENCE_SECONDS (default: 30):
-# a host stops its part after this long without a word from launch.sh, and vice versa.
+# SSH_COMMAND (default: ssh) runs every ssh call. LAUNCH_SILENCE_SECONDS (default: 30): a
+# host stops its part after this long without a word from launch.sh, which waits as long for a check or a stop.
 #
 # Examples:
 #   ./launch.sh hosts.txt 4
@@ -39,10 +39,6 @@ source "${THIS_FILE%/*}/lib/hosts.sh"
 source "${THIS_FILE%/*}/lib/node.sh"
 
 readonly FORWARDED='^(NCCL_.*|GLOO_.*|TORCH_.*|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|PYTHONPATH)$'
-# -T, RemoteCommand=none: a config's RequestTTY or RemoteCommand (tmux) would break the
-# command; ClearAllForwardings: a config's forwarded port may be taken by the user's session.
-readonly SSH_OPTIONS=(-T -o BatchMode=yes -o ConnectTimeout=5 -o ServerAliveInterval=5
-  -o ServerAliveCountMax=3 -o RemoteCommand=none -o ClearAllForwardings=yes)
 readonly POLLS_PER_SECOND=5 # time is counted in polls of read -t, which no clock step changes
 
 die() {
@@ -60,7 +56,7 @@ build_command() {
   if [[ -n ${local_node[i]} ]]; then
     cmd=(bash -c "$source" launch.sh "$@")
   else
-    cmd=("${ssh_command[@]}" "${SSH_OPTIONS[@]}" -o LogLevel="$level" ${ports[i]:+-p "${ports[i]}"}
+    cmd=("${ssh_command[@]}" -o BatchMode=yes -o LogLevel="$level" ${ports[i]:+-p "${ports[i]}"}
       "${destinations[i]}" "$(remote_bash_command "$source" "$@")")
   fi
   # A session of its own: a terminal's Ctrl-C reaches launch.sh alone, which stops the
@@ -148,7 +144,7 @@ preflight() {
   done
   for i in "${!addresses[@]}"; do
     [[ -z ${local_node[i]} ]] || addresses[i]=${client:-127.0.0.1}
-    problems[i]=$(address_problem "$i")
+    problems[i]=$(address_problem "$i" "$client")
     [[ -n ${problems[i]} ]] || unset 'problems[i]'
     seen[${addresses[i]}]=$i
   done
@@ -158,10 +154,15 @@ preflight() {
   exit 1
 }
 
-# Prints why host number $1's address cannot serve the job, if it cannot.
+# Prints why host number $1's address cannot serve the job, if it cannot; $2 is this
+# machine's address as the remote hosts see it.
 address_problem() {
   local address=${addresses[$1]}
-  if [[ $address == - ]]; then
+  if [[ -n ${local_node[$1]} && -n $2 ]] && command -v ip >/dev/null \
+    && [[ -z $(ip -o addr show to "${2#::ffff:}") ]]; then
+    echo "the other hosts see this machine as $2, which it does not hold (NAT or a jump host?):" \
+      "launch from a host they reach directly"
+  elif [[ $address == - ]]; then
     echo "its sshd sets no SSH_CONNECTION, so its address is unknown"
   elif [[ -n ${seen[$address]:-} ]]; then
     echo "reached at $address, as ${labels[${seen[$address]}]} is (one machine under two names?" \
@@ -216,7 +217,7 @@ run_host() {
   set +o pipefail # the host's status is its command's, not tee's (a full disk under the logs)
   # The variables, then the heartbeats, through a relay: launch.sh must not block on
   # variables larger than a pipe holds. A local job stops its workers by SIGTERM.
-  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } >"$tmp/relay.$i" &
+  { printf '%s\0' "${env_entries[@]}" '' && exec cat; } <&0 >"$tmp/relay.$i" & # (else /dev/null)
   relay=$!
   (if [[ -n ${local_node[i]} ]]; then trap - TERM; fi && exec "${cmd[@]}") <"$tmp/relay.$i" 2>&1 \
     | tee -a "$log_dir/${labels[i]}.log" | prefix_lines "${labels[i]}"

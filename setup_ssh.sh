@@ -85,9 +85,8 @@ read_public_key() {
 ssh_to() {
   local i=$1
   shift
-  "${time_limit[@]}" "${ssh_command[@]}" -o ConnectTimeout=5 -o StrictHostKeyChecking=accept-new \
-    -o RemoteCommand=none -o ClearAllForwardings=yes -o LogLevel=INFO ${ports[i]:+-p "${ports[i]}"} \
-    "${destinations[i]}" "$@" >"$ssh_output" 2>&1
+  "${time_limit[@]}" "${ssh_command[@]}" -o StrictHostKeyChecking=accept-new -o LogLevel=INFO \
+    ${ports[i]:+-p "${ports[i]}"} "${destinations[i]}" "$@" >"$ssh_output" 2>&1
 }
 
 # Tries a BatchMode login to host number $1 with the extra options "${@:2}".
@@ -159,6 +158,7 @@ setup_hosts() {
     ((${#labels[i]} <= width)) || width=${#labels[i]}
   done
   if ((${#needs_key[@]})); then
+    [[ -e $key || ! -e $key.pub ]] || die "$key.pub has no private key $key beside it: give --key"
     if [[ -e $key ]]; then check_key; else create_key; fi
   fi
   for i in "${needs_key[@]}"; do

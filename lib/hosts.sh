@@ -1,9 +1,10 @@
 # shellcheck shell=bash
 #
-# What launch.sh and setup_ssh.sh share: the hosts file, SSH_COMMAND, the command
-# that runs bash on a host, and what ssh's refusals mean. Source it after defining
-# die MESSAGE (prints, exits 2). Run as a command, it is check_env.py's reader:
-#   bash lib/hosts.sh HOSTFILE   prints LABEL<TAB>DESTINATION<TAB>PORT<TAB>LOCAL a host
+# What launch.sh, setup_ssh.sh and check_env.py share: the hosts file, how ssh reaches a
+# host, the command that runs bash there, and what ssh's refusals mean. Source it after
+# defining die MESSAGE (prints, exits 2). Run as a command, it serves check_env.py:
+#   bash lib/hosts.sh HOSTFILE                prints LABEL<TAB>LOCAL<TAB>the ssh command, a host
+#   bash lib/hosts.sh --ssh-failure HOSTFILE  reads ssh's output, prints why it failed
 #
 # One host per line, [user@]host[:port]; '#' starts a comment. Any other character
 # (a shell metacharacter above all) is an error, so no line can ever run a command.
@@ -50,10 +51,16 @@ read_hostfile() {
   ((${#labels[@]})) || die "$file: no hosts"
 }
 
-# Sets the caller's ssh_command to $SSH_COMMAND split on spaces; unset or blank, ssh.
+# Against a config made for interactive use: a forced tty, a RemoteCommand (tmux), forwards.
+SSH_OPTIONS=(-T -o ConnectTimeout=5 -o ServerAliveInterval=5 -o ServerAliveCountMax=3
+  -o RemoteCommand=none -o ClearAllForwardings=yes)
+
+# Sets the caller's ssh_command to $SSH_COMMAND split on spaces (unset or blank: ssh),
+# then SSH_OPTIONS: ssh takes the first value it is given for an option.
 read_ssh_command() {
   read -ra ssh_command <<<"${SSH_COMMAND:-}"
   ((${#ssh_command[@]})) || ssh_command=(ssh)
+  ssh_command+=("${SSH_OPTIONS[@]}")
 }
 
 # Prints its arguments single-quoted for bash, space-separated.
@@ -86,7 +93,7 @@ ssh_failure() {
       fix="ssh offers other keys first, more than the host takes: give these hosts 'IdentityFile KEY'"
       fix+=" and 'IdentitiesOnly yes' in ~/.ssh/config" ;;
     *'Access denied'*'active jobs'*) # Slurm's pam_slurm_adopt
-      fix="Slurm lets in only users with a job there: run launch.sh in an allocation of these hosts" ;;
+      fix="Slurm lets in only users with a job there: work in an allocation of them, or use train.sbatch" ;;
     *'Permission denied ('*) fix=${2:+"$2 installs your key (one with a passphrase needs ssh-add first)"} ;;
     *'Host key verification failed.'*) fix=${2:+"$2 records a new host's key"} ;;
   esac
@@ -100,10 +107,20 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then # run as a command
     echo "${0##*/}: $*" >&2
     exit 2
   }
-  (($# == 1)) || die "usage: lib/hosts.sh HOSTFILE"
-  labels=() destinations=() ports=() local_node=()
+  [[ $# == 1 || ($# == 2 && $1 == --ssh-failure) ]] \
+    || die "usage: lib/hosts.sh [--ssh-failure] HOSTFILE"
+  if [[ $1 == --ssh-failure ]]; then
+    setup_ssh=$(readlink -f -- "${BASH_SOURCE[0]}")
+    ssh_failure "$(cat)" "$(printf '%q %q' "${setup_ssh%/lib/*}/setup_ssh.sh" "$2")"
+    exit
+  fi
+  labels=() destinations=() ports=() local_node=() ssh_command=()
   read_hostfile "$1"
+  read_ssh_command
   for i in "${!labels[@]}"; do
-    printf '%s\t%s\t%s\t%s\n' "${labels[i]}" "${destinations[i]}" "${ports[i]}" "${local_node[i]}"
+    printf '%s\t%s' "${labels[i]}" "${local_node[i]}"
+    [[ -n ${local_node[i]} ]] || printf '\t%s' "${ssh_command[@]}" -o BatchMode=yes -o LogLevel=INFO \
+      ${ports[i]:+-p "${ports[i]}"} "${destinations[i]}"
+    echo
   done
 fi

@@ -1,14 +1,10 @@
 # shellcheck shell=bash
 #
-# What launch.sh runs on each host: it sends these functions' source over SSH (declare -f)
-# and calls one there, check_node in preflight and run_node for the job. So they use no
-# global and no function of launch.sh.
+# What launch.sh runs on each host, sent as source (declare -f): check_node in preflight,
+# run_node for the job. So they use no global and no function of launch.sh.
 
-# Checks what run_node needs: the directory, torchrun and the script, with the job's
-# variables (NUL-separated KEY=VALUE from stdin, up to an empty one: torchrun may need an
-# --env-file's LD_LIBRARY_PATH). PORT, on the first host only (else -), is the rendezvous
-# port to check (0: pick a free one), bound by torchrun's Python as torchrun binds it.
-# Prints "ok SSH_CONNECTION PORT" or "fail: WHY".
+# Checks the directory, torchrun and the script with the job's variables (from stdin), and on
+# the first host the rendezvous PORT (0: a free one); prints "ok SSH_CONNECTION PORT" or "fail: WHY".
 check_node() {
   local workdir=$1 torchrun=$2 script=$3 port=$4 entry path python error
   while IFS= read -r -d '' entry && [[ -n $entry ]]; do export "${entry?}"; done
@@ -63,11 +59,8 @@ stop_job() {
   signal_marked "$job_mark" KILL
 }
 
-# Starts the job as run_node's subshell: on hosts but the first, once the rendezvous port
-# answers, or refuses (torchrun there may not listen yet); a firewall that drops the
-# packets would have torchrun wait 60 s and end in a traceback. Then "$@" (torchrun), with
-# the job's variables in its environment only: in no command line (ps), and not in this
-# host's shell, whose PATH the clean-up needs.
+# Starts "$@" (torchrun) once the rendezvous answers or refuses (not a dropping firewall), with
+# the job's variables in its environment only: in no command line (ps), nor the clean-up's.
 start_job() {
   local error
   export "${job_mark?}"
@@ -80,8 +73,7 @@ start_job() {
     exit 1
   fi
   for entry in "${entries[@]}"; do export "${entry?}"; done
-  # gloo listens where the host's name resolves (127.0.1.1 on Debian and Ubuntu): give it
-  # the interface of ADDRESS. Not lo for another address: gloo would bind 127.0.0.1.
+  # gloo listens where the name resolves (Debian: 127.0.1.1): ADDRESS's interface, but not lo.
   if [[ -z ${GLOO_SOCKET_IFNAME+set} && -n $interface ]] \
     && [[ $interface != lo || $address == 127.* || $address == ::1 ]]; then
     export GLOO_SOCKET_IFNAME=$interface
@@ -89,11 +81,8 @@ start_job() {
   exec "$@"
 }
 
-# Runs the job: reads its variables as check_node does, starts it (start_job), and kills
-# every process that carries its mark, LAUNCH_JOB=JOB, when torchrun ends, or when stdin
-# closes or stays silent for SILENCE seconds (launch.sh gone or cut off: it writes a NUL
-# every few seconds). ADDRESS: where the others reach this host; RDZV_HOST and RDZV_PORT:
-# the first host's rendezvous (RDZV_HOST - on it).
+# Runs the job, and kills every process marked LAUNCH_JOB=JOB when torchrun ends, or stdin (launch.sh's
+# heartbeats) closes or is silent for SILENCE s. RDZV_HOST is - on the first host.
 run_node() {
   local job_mark=LAUNCH_JOB=$1 relay_mark=LAUNCH_RELAY=$1 workdir=$2 address=$3 silence=$4
   local rdzv_host=$5 rdzv_port=$6 entries=() entry interface torchrun_pid reader silent parent
@@ -106,12 +95,11 @@ run_node() {
   done
   cd -- "$workdir" || return 1
   read -r _ interface _ < <(ip -o addr show to "$address" 2>/dev/null) || interface=''
-  # Its output goes through a relay, which this host ends even where an orphan that
-  # dropped the mark still holds the output (ssh would wait for it).
+  command -v ip >/dev/null || echo "launch.sh: no ip here to find gloo's interface: install iproute2"
+  # A relay, which this host ends even where an orphan without the mark holds the output.
   start_job "$@" </dev/null > >(export "${relay_mark?}" && exec cat) 2>&1 &
   torchrun_pid=$!
-  # Silence counted in reads of 1 s, which no step of the wall clock cuts short; if this
-  # shell is gone (a kill -9), the reader stops the job itself.
+  # Silence in reads of 1 s, which no clock step cuts short; with this shell gone, it stops the job.
   {
     silent=0
     while ((silent < silence)); do

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from cluster import cluster_fixture, require_prerequisites, simulated_cluster
-from conftest import skip_or_fail
+from conftest import REPO, skip_or_fail
 from test_check_env import ALLREDUCE_SIZES, allreduce_rows, run_check_env
 
 cluster = cluster_fixture(n_hosts=3)
@@ -64,9 +64,10 @@ def test_unreachable_and_refusing_hosts_are_problems_not_hangs(cluster, tmp_path
     result = run_check_env(["--hosts", hostfile], timeout=60, env=cluster.env())
     assert result.returncode == 1, result.stdout + result.stderr
     unreachable, refused = problem_lines(result.stdout)
-    assert unreachable.startswith(f"{cluster.unreachable_address}: unreachable: ssh: connect to host")
-    assert refused == f"nobody@node1: ssh refused the login: nobody@{cluster.address('node1')}: Permission " \
-                      f"denied (publickey). (./setup_ssh.sh {hostfile})"
+    assert unreachable.startswith(f"{cluster.unreachable_address}: ssh: connect to host")
+    assert refused == (f"nobody@node1: nobody@{cluster.address('node1')}: Permission denied (publickey). "
+                       f"({REPO}/setup_ssh.sh {hostfile} installs your key (one with a passphrase needs ssh-add "
+                       "first))")
     assert time.monotonic() - start < 30  # ssh's ConnectTimeout is 5 s
 
 
@@ -79,8 +80,8 @@ def test_a_login_that_slurm_refuses_says_why(tmp_path):
                                env=slurm.env())
     assert result.returncode == 1
     assert problem_lines(result.stdout) == [
-        "node1: ssh refused the login: Access denied by pam_slurm_adopt: you have no active jobs on this node (in "
-        "an allocation, use --slurm)"]
+        "node1: Access denied by pam_slurm_adopt: you have no active jobs on this node (Slurm lets in only users "
+        "with a job there: work in an allocation of them, or use train.sbatch)"]
 
 
 def test_allreduce_across_hosts_prints_busbw_and_leaves_nothing_running(cluster, tmp_path):

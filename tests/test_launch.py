@@ -200,6 +200,7 @@ def ssh_here(tmp_path):
         '  stuck) exec sleep 600 ;;\n'
         '  mute) exit 255 ;;\n'
         '  box1 | box2) export SSH_CONNECTION="10.9.0.1 40000 172.17.0.2 22" ;;\n'
+        '  natted) export SSH_CONNECTION="198.51.100.7 40000 10.9.0.6 22" ;;\n'
         '  tunnel) export SSH_CONNECTION="127.0.0.1 40000 127.0.0.1 22" ;;\n'
         '  bare) unset SSH_CONNECTION ;;\n'
         '  h[0-9]*) export SSH_CONNECTION="127.0.0.1 40000 10.9.1.${host#h} 22" ;;\n'
@@ -294,8 +295,15 @@ def test_hosts_sh_prints_the_hosts_for_check_env(tmp_path):
                     f"node2\nlocalhost\n{socket.gethostname()}:22\n")
     result = run(["bash", REPO / "lib/hosts.sh", path], timeout=30)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"root@node1:2222\troot@node1\t2222\t\nnode2\tnode2\t\t\nlocalhost\tlocalhost\t\tyes\n"
-                             f"{socket.gethostname()}:22\t{socket.gethostname()}\t22\t\n")
+    ssh = "\t".join(["ssh", "-T", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=5", "-o",
+                     "ServerAliveCountMax=3", "-o", "RemoteCommand=none", "-o", "ClearAllForwardings=yes",
+                     "-o", "BatchMode=yes", "-o", "LogLevel=INFO"])
+    assert result.stdout == (f"root@node1:2222\t\t{ssh}\t-p\t2222\troot@node1\nnode2\t\t{ssh}\tnode2\n"
+                             f"localhost\tyes\n{socket.gethostname()}:22\t\t{ssh}\t-p\t22\t{socket.gethostname()}\n")
+    why = subprocess.run(["bash", REPO / "lib/hosts.sh", "--ssh-failure", path], capture_output=True, text=True,
+                         input="Permission denied (publickey).\r\n", timeout=30)
+    assert why.stdout == (f"Permission denied (publickey). ({REPO}/setup_ssh.sh {path} installs your key (one with "
+                          "a passphrase needs ssh-add first))\n"), why.stderr
     path.write_text("node1\nnode1\n")
     result = run(["bash", REPO / "lib/hosts.sh", path], timeout=30)
     assert (result.returncode, result.stdout) == (2, "")
@@ -388,6 +396,10 @@ def test_preflight_rejects_addresses_the_other_hosts_cannot_use(tmp_path, start)
         "address?): every host needs its own address",
         "  tunnel  reached at 127.0.0.1 (a tunnel?): list it by an address the other hosts can reach",
         "  bare    its sshd sets no SSH_CONNECTION, so its address is unknown"], launch.err
+    behind_nat = run_launch(start, ["--dry-run", hostfile(tmp_path, "localhost", "natted"), "1", "train.py"], env)
+    assert behind_nat.proc.returncode == 1 and behind_nat.err.splitlines()[1:] == [
+        "  localhost  the other hosts see this machine as 198.51.100.7, which it does not hold (NAT or a jump "
+        "host?): launch from a host they reach directly"], behind_nat.err
     alone = run_launch(start, ["--dry-run", hostfile(tmp_path, "tunnel"), "auto", "train.py"], env)
     assert alone.proc.returncode == 0, alone.err  # no other host needs to reach it
     assert "'--local-addr=127.0.0.1'" in alone.out and "'--nproc-per-node=auto'" in alone.out, alone.out
@@ -597,7 +609,7 @@ def test_preflight_says_what_failed_on_each_host_and_starts_nothing(cluster, tmp
     assert rows["node3"].startswith("Host key verification failed. (its key changed since it was recorded: find "
                                     "out why, then ssh-keygen -f ") and cluster.address("node3") in rows["node3"]
     assert rows["node4"] == ("Access denied by pam_slurm_adopt: you have no active jobs on this node (Slurm lets "
-                             "in only users with a job there: run launch.sh in an allocation of these hosts)")
+                             "in only users with a job there: work in an allocation of them, or use train.sbatch)")
     assert re.fullmatch(r"ssh: connect to host \S+ port 22: (No route to host|Connection timed out)",
                         rows[cluster.unreachable_address]), rows
     assert rows["many-keys"] == (f"Received disconnect from {node2} port 22:2: Too many authentication failures "

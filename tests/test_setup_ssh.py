@@ -269,7 +269,7 @@ def test_refusals_that_no_key_mends_say_why(tmp_path):
     assert added == Path(f"{key}.pub").read_text()
     assert result.stdout.splitlines()[1:] == [
         "node1  FAILED: Access denied by pam_slurm_adopt: you have no active jobs on this node (Slurm lets in only "
-        "users with a job there: run launch.sh in an allocation of these hosts)",
+        "users with a job there: work in an allocation of them, or use train.sbatch)",
         "node2  FAILED: Permission denied to the key just added: sshd there ignores an authorized_keys that others "
         "may write to, or a directory above it (chmod go-w ~ there), or reads keys elsewhere"], result.stdout
     assert "node1: installing" not in result.stderr, result.stderr
@@ -288,3 +288,19 @@ def test_needs_no_host_and_no_ssh_for_this_machine(tmp_path):
     assert result.stderr == f"setup_ssh.sh: --key takes the private key, {key}, not {key}.pub\n"
     for script in ("setup_ssh.sh", "launch.sh"):
         assert not re.search(r"StrictHostKeyChecking[= ]*no\b", (REPO / script).read_text(), re.I)
+
+
+def test_a_public_key_alone_is_never_overwritten(tmp_path):
+    """A .pub without its private key beside it (a hardware token's, an agent's) stays."""
+    ssh = tmp_path / "refusing-ssh"  # every host refuses the keys offered
+    ssh.write_text("#!/bin/sh\necho 'Permission denied (publickey).' >&2\nexit 255\n")
+    ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node1\n")
+    key, public = tmp_path / "id_ed25519", tmp_path / "id_ed25519.pub"
+    public.write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOmt9u7ZwiYL2YbqGeXz6Ftz1QQwAPK0OAm8UWp3oB2n token\n")
+    result = run([SETUP, "--key", key, hostfile], timeout=30, stdin=subprocess.DEVNULL,
+                 env={"SSH_COMMAND": str(ssh)})
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"setup_ssh.sh: {public} has no private key {key} beside it: give --key\n"
+    assert public.read_text().endswith(" token\n") and not key.exists()

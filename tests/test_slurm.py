@@ -85,9 +85,11 @@ def environ(pid):
 
 def test_usage_errors_are_one_line_and_exit_2():
     for args, env, error in [
-        (["2"], {"SLURM_JOB_ID": ""}, "not in a SLURM job: submit it with sbatch"),
-        (["train.py"], {"SLURM_JOB_ID": "7"}, "NPROC_PER_NODE must be a number, gpu or auto, not train.py"),
-        (["2", "--epochs", "3"], {"SLURM_JOB_ID": "7"}, "SCRIPT comes before its arguments"),
+        (["2"], {"SLURM_JOB_ID": "", "SLURMD_NODENAME": ""}, "not in a SLURM batch job: submit it with sbatch"),
+        (["2"], {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": ""}, "not in a SLURM batch job"),  # salloc's shell
+        (["train.py"], {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1"},
+         "NPROC_PER_NODE must be a number, gpu, cpu or auto, not train.py"),
+        (["2", "--epochs", "3"], {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1"}, "SCRIPT comes before its arguments"),
     ]:
         result = run(["bash", SBATCH, *args], env=env, timeout=30)
         assert (result.returncode, result.stdout) == (2, ""), result
