@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--arch", choices=MODELS, default="resnet18", help="cnn: small, for CPUs")
     # Fix: the pattern looped over an undefined `epochs`.
     p.add_argument("--epochs", type=positive_int, default=2, help="epochs of the whole run")
-    p.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--max-steps", type=positive_int, help="stop here, if before --epochs' end")
     p.add_argument("--batch-size", type=positive_int, default=64, help="samples per process")
     p.add_argument("--accum-steps", type=positive_int, default=1, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
@@ -180,7 +180,7 @@ def build_data(args, device):
             try:
                 download(args)
             except Exception as e:  # offline, a mirror down, a full disk ...
-                error = f"download failed: {type(e).__name__}: {e}"
+                error = f"download failed: {type(e).__name__}: {' '.join(str(e).split())}"
         errors = all_gather(error)  # the others wait here, up to --timeout
         error = errors[0] or errors[rank - local_rank]
     try:
@@ -233,14 +233,14 @@ def why_data_does_not_fit(args, model, images, stats, classes):
     """Why normalize or the model cannot take the data set's images, or None."""
     data = f"--dataset {args.dataset}'s images, {images.dtype} {tuple(images.shape)},"
     if images.dtype != torch.uint8 or images.dim() != 4 or len(stats[0]) != images.shape[1]:
-        return f"{data} do not fit normalize: uint8 (N, C, H, W), and C means and stds"
+        return f"{data} do not fit normalize: give it uint8 (N, C, H, W), and C means and stds"
     try:
         with torch.no_grad():
             shape = tuple(model.eval()(normalize(images[:2], *stats)).shape)
     except RuntimeError as e:
         shape = str(e).splitlines()[0]
     model.train()
-    return shape != (2, classes) and f"{data} do not fit --arch {args.arch}: {shape}"
+    return shape != (2, classes) and f"{data} do not fit --arch {args.arch} ({shape}): see MODELS"
 
 
 def build_optimizer(model, args):
@@ -344,8 +344,7 @@ def train_step(ddp_model, optimizer, scaler, data, stats, indices, args):
     train_x, train_y = data[:2]
     loss_sum, micro_batches = 0, indices.split(args.batch_size)
     for i, idx in enumerate(micro_batches):
-        # Only the last micro-batch all-reduces; the others accumulate locally.
-        sync = i == len(micro_batches) - 1 or dist.get_world_size() == 1
+        sync = i == len(micro_batches) - 1 or dist.get_world_size() == 1  # the others accumulate
         with contextlib.nullcontext() if sync else ddp_model.no_sync():
             with autocast(args, train_x.device):
                 loss = F.cross_entropy(ddp_model(normalize(train_x[idx], *stats)), train_y[idx])
@@ -428,6 +427,8 @@ def train(args, rank, world_size, device):
     per_step = args.batch_size * args.accum_steps
     steps_per_epoch = -(-len(epoch_order(len(data[0]), 0, rank, world_size, 0)) // per_step)
     total = min(args.epochs * steps_per_epoch, args.max_steps or math.inf)
+    if ckpt and not step:  # a path that cannot be written fails now, not after an epoch
+        save_checkpoint(ckpt, model, optimizer, scaler, 0, args, device)
     start, start_step, last_line, accuracy = time.perf_counter(), step, time.perf_counter(), None
     if rank == 0:
         print(f"start: world_size={world_size} backend={dist.get_backend()} device={device} "
@@ -445,9 +446,9 @@ def train(args, rank, world_size, device):
                 save_checkpoint(ckpt, model, optimizer, scaler, step, args, device)
             due = time.perf_counter() - last_line >= PROGRESS_SECONDS
             if rank == 0 and (step % args.log_every == 0 if args.log_every else due):
-                last_line = time.perf_counter()  # note: .item() is a CPU-GPU sync point
+                last_line = time.perf_counter()
                 left = eta(last_line - start, step - start_step, total - step)
-                print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total} "
+                print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total} "  # note: .item() syncs
                       f"loss {loss_sum.item() / samples:.4f} eta {left}")
         totals = torch.stack([loss_sum, loss_sum.new_tensor(samples)])
         dist.all_reduce(totals)
@@ -474,7 +475,7 @@ def train(args, rank, world_size, device):
 def main(argv=None):
     """Train, and return the unwrapped model (for scripts that import train.py)."""
     args = parse_args(argv)
-    sys.stdout.reconfigure(line_buffering=True)  # each line at once, through pipes too
+    getattr(sys.stdout, "reconfigure", lambda **_: 0)(line_buffering=True)  # each line at once
     try:
         return train(args, *setup_distributed(args))
     except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from each rank

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -55,21 +56,30 @@ def planted_rng(rank):
     return torch.Generator().manual_seed(1000 + rank).get_state()
 
 
+BATCHNORM = """import torch
+def cnn_with_batchnorm(channels, classes):  # buffers, which each rank updates on its own
+    return torch.nn.Sequential(torch.nn.BatchNorm2d(channels), *train.cnn(channels, classes))
+train.MODELS["cnn"] = cnn_with_batchnorm
+"""
+
+
 def test_three_ranks_evaluate_exactly_and_resume_bitwise_with_their_random_states(mnist_dir,
                                                                                    tmp_path):
     # Three ranks: two sum every element in the same order whatever DDP's bucket layout.
     # 512 samples / 3 ranks -> 171 each -> 6 steps of 2 x 16 per epoch, the last one short.
     args = [*TINY, "--data", mnist_dir, "--accum-steps", "2", "--epochs", "2"]
-    whole = torchrun(3, *args, "--checkpoint-dir", tmp_path / "whole")
+    script = patched_train(tmp_path, BATCHNORM)
+    whole = torchrun(3, *args, "--checkpoint-dir", tmp_path / "whole", script=script)
     assert_ok(whole)
-    assert_ok(torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed", "--max-steps", "4"))
+    assert_ok(torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed", "--max-steps", "4",
+                       script=script))
     stopped = load(tmp_path / "resumed" / "last.pt")
     assert stopped["step"] == 4
     # No model here draws random numbers: plant known states, which a resume must restore.
     stopped["rng"] = [{"cpu": planted_rng(r), "cuda": None} for r in range(3)]
     torch.save(stopped, tmp_path / "resumed" / "last.pt")
     resumed = torchrun(3, *args, "--checkpoint-dir", tmp_path / "resumed",
-                       "--metrics", tmp_path / "m.jsonl")
+                       "--metrics", tmp_path / "m.jsonl", script=script)
     assert_ok(resumed)
     assert f"resumed from {tmp_path / 'resumed' / 'last.pt'} at step 4\n" in resumed.stdout
     a, b = load(tmp_path / "whole" / "last.pt"), load(tmp_path / "resumed" / "last.pt")
@@ -85,8 +95,11 @@ def test_three_ranks_evaluate_exactly_and_resume_bitwise_with_their_random_state
         (1, 6, True, 101), (2, 12, False, 101)]
     assert set(rows[0]) == {"epoch", "step", "world_size", "train_loss", "test_loss",
                             "test_accuracy", "test_samples", "samples_per_sec", "partial"}
-    # The accuracy reported is the saved model's: one process evaluating it agrees.
-    model = train.cnn(1, 10)
+    # The accuracy reported is the saved model's (rank 0's BatchNorm statistics): one process
+    # evaluating it agrees.
+    namespace = {"train": types.SimpleNamespace(cnn=train.cnn, MODELS={})}
+    exec(BATCHNORM, namespace)
+    model = namespace["cnn_with_batchnorm"](1, 10)
     model.load_state_dict(b["model"])
     args = train.parse_args([*TINY, "--data", str(mnist_dir)])
     with world_of_one():
@@ -163,14 +176,24 @@ def test_progress_lines_come_by_time_and_by_step(mnist_dir, tmp_path, capfd, mon
         "epoch 1/2 step 4/6", "epoch 1/2 step 6/6"]
 
 
-def test_fp16_steps_through_the_scaler_and_bf16_needs_none(mnist_dir, tmp_path, capfd):
-    for amp in ("fp16", "bf16"):
+def test_amp_computes_in_fp16_through_the_scaler_and_in_bf16_without(mnist_dir, tmp_path, capfd,
+                                                                      monkeypatch):
+    dtypes = []  # of the cnn's outputs: autocast at work, or not
+
+    def watched_cnn(channels, classes):
+        model = train.cnn(channels, classes)
+        model.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+        return model
+    monkeypatch.setitem(train.MODELS, "cnn", watched_cnn)
+    for amp, steps in (("fp16", 3), ("fp16", 4), ("bf16", 3)):  # fp16 twice: resumed
+        dtypes.clear()
         code, _, err = main_in_process(capfd, *TINY, "--data", mnist_dir, "--amp", amp,
-                                       "--max-steps", "3", "--checkpoint-dir", tmp_path / amp)
+                                       "--max-steps", steps, "--checkpoint-dir", tmp_path / amp)
         assert code == 0, err
+        assert dtypes.count({"fp16": torch.float16, "bf16": torch.bfloat16}[amp]) >= 1, dtypes
     fp16, bf16 = load(tmp_path / "fp16" / "last.pt"), load(tmp_path / "bf16" / "last.pt")
-    # update() ran once a step without overflow, and step() moved the weights.
-    assert fp16["scaler"]["_growth_tracker"] == 3 and fp16["scaler"]["scale"] == 2.0 ** 16
+    # update() ran once a step without overflow, resumed too, and step() moved the weights.
+    assert fp16["scaler"]["_growth_tracker"] == 4 and fp16["scaler"]["scale"] == 2.0 ** 16
     assert fp16["optimizer"]["state"]
     assert bf16["scaler"] == {} and all(torch.isfinite(t).all() for t in bf16["model"].values())
 
@@ -201,11 +224,11 @@ def test_your_own_data_and_model_plug_in_and_a_mismatch_is_one_line(tmp_path, ca
     code, out, err = main_in_process(capfd, "--dataset", "rgb", "--arch", "cnn")  # for 28x28
     assert code == 1 and "start:" not in out
     assert err.startswith("train.py: error: --dataset rgb's images, torch.uint8 (256, 3, 32, 32),"
-                          " do not fit --arch cnn: ") and err.count("\n") == 1, err
+                          " do not fit --arch cnn (") and err.endswith("): see MODELS\n"), err
     floats = [t.float() if t.dim() == 4 else t for t in rgb(None)]
     monkeypatch.setitem(train.DATASETS, "floats", (None, lambda args: floats, [0.4] * 3, [0.2] * 3))
     code, _, err = main_in_process(capfd, "--dataset", "floats", "--arch", "cnn")
-    assert code == 1 and "do not fit normalize: uint8 (N, C, H, W)" in err, err
+    assert code == 1 and "do not fit normalize: give it uint8 (N, C, H, W)" in err, err
 
 
 @pytest.mark.parametrize("content, message", [
@@ -271,6 +294,26 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capfd
     assert load(path)["step"] == 1 and not os.path.exists(f"{path}.tmp")
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_training(mnist_dir, tmp_path, capfd):
+    (tmp_path / "a_file").write_text("")
+    code, out, err = main_in_process(capfd, *TINY, "--data", mnist_dir,
+                                     "--checkpoint-dir", tmp_path / "a_file")
+    assert code == 1 and "step" not in out
+    assert err == (f"train.py: error: cannot write {tmp_path}/a_file/last.pt.tmp: File exists; "
+                   f"{tmp_path}/a_file/last.pt is as it was\n")
+
+
+def test_a_failed_download_is_one_line(tmp_path, capfd, monkeypatch):
+    def offline(args):  # as torchvision says it, over lines
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried https://a/, got:\n"
+                           "<urlopen error [Errno -2] Name or service not known>\n")
+    monkeypatch.setitem(train.DATASETS, "mnist", (offline, *train.DATASETS["mnist"][1:]))
+    code, _, err = main_in_process(capfd, "--arch", "cnn", "--data", tmp_path)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "(download failed: RuntimeError: Error downloading train-images-idx3-ubyte.gz: Tried " \
+           "https://a/, got: <urlopen error [Errno -2] Name or service not known>): " in err
+
+
 def test_a_failed_metrics_write_is_one_line_after_the_epoch_is_saved(mnist_dir, tmp_path, capfd):
     code, _, err = main_in_process(capfd, *TINY, "--data", mnist_dir, "--max-steps", "2",
                                    "--checkpoint-dir", tmp_path, "--metrics", "/dev/full")
@@ -302,6 +345,7 @@ def test_errors_every_rank_has_are_one_line_per_node(tmp_path):
     assert bad.returncode != 0 and bad.stderr.count("train.py: error: argument --epochs") == 1
     missing = torchrun(2, *TINY, "--data", tmp_path, timeout=60)
     assert missing.returncode != 0 and f'File "{TRAIN}"' not in missing.stderr
+    assert "No such file or directory" in missing.stderr  # not a download: --no-download
     assert missing.stderr.count("train.py: error: --dataset mnist unavailable on ") == 1, missing.stderr
 
 
