@@ -37,9 +37,9 @@ def job_env(slurm, **extra):
     return slurm.env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra)
 
 
-def paused_train(tmp_path, target):
+def paused_train(tmp_path, target, calls=1):
     """(script, marker): train.py, but its job's first run (not one after a requeue) touches
-    marker and sleeps after its first call of target ("module.function"): mid-run for certain."""
+    marker and sleeps after its calls-th call of target ("module.function"): mid-run for certain."""
     module, name = target.rsplit(".", 1)
     script, marker = tmp_path / "paused_train.py", tmp_path / "paused"
     script.write_text(f"""\
@@ -47,10 +47,11 @@ import importlib, os, pathlib, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import train
 owner = importlib.import_module({module!r})
-original = getattr(owner, {name!r})
+original, made = getattr(owner, {name!r}), []
 def then_pause(*args, **kwargs):
     result = original(*args, **kwargs)
-    if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    made.append(1)
+    if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and len(made) == {calls}:
         pathlib.Path({str(marker)!r}).touch()
         time.sleep(600)
     return result
@@ -156,7 +157,7 @@ def test_a_rank_killed_fails_the_whole_job_fast(slurm, tmp_path, mnist_dir):
 def test_usr1_requeues_and_the_job_resumes_bitwise_equal_to_4_standalone_ranks(slurm, tmp_path,
                                                                                  mnist_dir):
     args = [*TINY, "--data", mnist_dir, "--epochs", "2", "--save-every", "4"]  # 16 steps
-    script, paused = paused_train(tmp_path, "train.save_checkpoint")
+    script, paused = paused_train(tmp_path, "train.save_checkpoint", calls=2)  # step 0's, step 4's
     ckpt = tmp_path / "slurm" / "last.pt"
     job = slurm.sbatch(["--nodes=2", SBATCH, "2", script, *args, "--checkpoint-dir", ckpt.parent],
                        cwd=tmp_path, **job_env(slurm))
