@@ -278,7 +278,7 @@ class Launched:
     As a context manager, it leaves nothing running: the session is killed, then whatever
     is left on the cluster's hosts."""
 
-    def __init__(self, cluster, hosts, nproc, script_args, tmp, options=()):
+    def __init__(self, cluster, hosts, nproc, script_args, tmp, options=(), launch=LAUNCH):
         self.cluster = cluster
         hostfile = cluster.write_hostfile(Path(tmp) / "hosts.txt", hosts)
         # Every process launch.sh starts here carries the mark, also in a session of its own.
@@ -292,7 +292,7 @@ class Launched:
         self._changed = threading.Condition()
         self.started = clock()
         self.proc = subprocess.Popen(
-            [LAUNCH, "--log-dir", Path(tmp) / "logs", *map(str, options), hostfile, str(nproc),
+            [launch, "--log-dir", Path(tmp) / "logs", *map(str, options), hostfile, str(nproc),
              *map(str, script_args)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, preexec_fn=tests_module("conftest").default_sigint)

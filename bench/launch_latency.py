@@ -58,7 +58,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
 from common import (LONG_TRAIN, REPO, Launched, clock, is_torchrun, is_worker, limit_run_time,
                     print_machine, print_table, proc_stat, simulated_cluster, verdict)
 
@@ -124,10 +123,10 @@ def stop(cluster, launch):
         raise RuntimeError(f"left running on the hosts after the job: {left}")
 
 
-def measure(cluster, n_hosts, cores):
+def measure(cluster, n_hosts, cores, launcher):
     hosts = cluster.hosts[:n_hosts]
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
-        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp) as launch:
+        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp, launch=launcher) as launch:
             step_1 = launch.wait_for(STEP_1, STEP_TIMEOUT)
             first_client, torchruns, workers, cpu = snapshot(cluster, hosts, launch)
             start = launch.wait_for(START, 1)  # already there
@@ -142,7 +141,7 @@ def measure(cluster, n_hosts, cores):
 STUB = "#!/bin/sh\necho stub-started\nexec sleep 599\n"  # for torchrun: costs no CPU
 
 
-def measure_stub(cluster, n_hosts):
+def measure_stub(cluster, n_hosts, launcher):
     """With a stub for torchrun: seconds from launch.sh's start until the first and the last
     of its job ssh clients started, and until every host ran the stub."""
     hosts = cluster.hosts[:n_hosts]
@@ -152,7 +151,7 @@ def measure_stub(cluster, n_hosts):
         stub.chmod(0o755)
         # As in a venv, a python beside it: it runs launch.sh's rendezvous probe on the hosts.
         (Path(tmp) / "python").symlink_to(sys.executable)
-        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp, ["--torchrun", stub]) as launch:
+        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp, ["--torchrun", stub], launcher) as launch:
             for host in hosts:  # its line says it runs: no polling to compete for the cores
                 launch.wait_for(rf"^{host}: stub-started$", STEP_TIMEOUT)
             started = [stat[0] for host in hosts for pid, argv in cluster.processes(host)
@@ -249,9 +248,8 @@ def main():
         for r in range(rounds):
             for n in host_counts:
                 for launcher in launchers:
-                    common.LAUNCH = launcher  # what Launched starts
-                    stubs[launcher, n].append(measure_stub(cluster, n))
-                    runs[launcher, n].append(measure(cluster, n, cores))
+                    stubs[launcher, n].append(measure_stub(cluster, n, launcher))
+                    runs[launcher, n].append(measure(cluster, n, cores, launcher))
                     print(f"  round {r + 1}, {n} host(s), {launcher}: stub on every host after "
                           f"{stubs[launcher, n][-1][2]:.2f} s, step 1 after "
                           f"{runs[launcher, n][-1]['step 1']:.2f} s", flush=True)

@@ -66,9 +66,8 @@ def watch(cluster, hosts, launch, event):
 
 
 def trial(cluster, hosts, kind, launcher):
-    common.LAUNCH = launcher  # what Launched starts
     with tempfile.TemporaryDirectory(prefix="bench-teardown-") as tmp:
-        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp) as launch:
+        with Launched(cluster, hosts, 1, LONG_TRAIN, tmp, launch=launcher) as launch:
             launch.wait_for(RUNNING, STEP_TIMEOUT)
             if kind == "SIGINT":
                 event = clock()
